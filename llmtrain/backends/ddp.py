@@ -1,0 +1,108 @@
+"""PyTorch DDP: fp32 master weights on every rank, gradients all-reduced (averaged) in backward."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_adamw, build_scheduler
+from llmtrain.parallel import DistContext
+
+
+def load_file(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class DDPEngine:
+    def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str):
+        self.ctx = ctx
+        self.model = model.to(ctx.device)
+        self.optim_spec = optim
+        self.compute_dtype = autocast_dtype(precision)
+        if optim is None:
+            self.model.requires_grad_(False).eval()
+            self.module = self.model
+            self.optimizer = self.scheduler = None
+        else:
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            # HF models hold no buffers that change in training (rotary tables are constants):
+            # sync them once at init, not in every forward.
+            self.module = DistributedDataParallel(self.model, device_ids=device_ids, forward_sync_buffers=False)
+            self.optimizer = build_adamw(self.model, optim, fused=ctx.device.type == "cuda")
+            self.scheduler = build_scheduler(self.optimizer, optim)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16")
+
+    @property
+    def skips_nonfinite_grads(self) -> bool:
+        """fp16: the loss scaler skips overflowed steps itself (that is how it finds its scale)."""
+        return self.scaler.is_enabled()
+
+    def autocast(self):
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.compute_dtype)
+
+    def no_sync(self, is_last_micro_batch: bool):
+        """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+        if is_last_micro_batch or self.optimizer is None:
+            return contextlib.nullcontext()
+        return self.module.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DDP averages gradients over ranks; the loss is this rank's share of a global *sum*-based mean.
+        self.scaler.scale(loss * self.ctx.world_size).backward()
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Global gradient norm before clipping (clips in place when optim.max_grad_norm > 0)."""
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.optim_spec.max_grad_norm
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    def step(self) -> None:
+        self.scaler.step(self.optimizer)  # fp16: skipped by the scaler when gradients overflowed
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        """Discard this step's gradients; the schedule still advances so the lr follows the step count."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        self.scheduler.step()
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save_checkpoint(self, directory: Path) -> None:
+        if self.ctx.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save(self.model.state_dict(), directory / "model.pt")
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+            if self.scaler.is_enabled():
+                torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        self.model.load_state_dict(load_file(directory / "model.pt"))
+        self.optimizer.load_state_dict(load_file(directory / "optimizer.pt"))
+        self.scheduler.load_state_dict(load_file(directory / "scheduler.pt"))
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(load_file(directory / "scaler.pt"))
+
+    def export_hf(self, directory: Path) -> None:
+        if self.ctx.is_main:
+            self.model.save_pretrained(directory, safe_serialization=True)
+
+
+class DDPBackend:
+    def __init__(self, ctx: DistContext, precision: str):
+        self.ctx, self.precision = ctx, precision
+
+    def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DDPEngine:
+        return DDPEngine(model, optim, self.ctx, self.precision)

@@ -1,0 +1,219 @@
+"""Typed config schema (Hydra structured configs) and validation that needs no model weights.
+
+Every check here runs on every rank before any model loads; all problems are collected and raised
+together as one ConfigError whose lines each name the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    seed: int = 1234
+    micro_batch_size: int = 8  # per rank
+    grad_accum_steps: int = 1
+    global_batch_size: Optional[int] = None  # when set: must equal micro × accum × dp
+    eval_every_n_steps: int = 0  # 0: evaluate only after the last step
+    eval_batch_size: Optional[int] = None  # default: micro_batch_size
+    log_every_n_steps: int = 10  # console only; metrics.jsonl gets every step
+    save_every_n_steps: int = 0  # 0: save only after the last step
+    keep_last_k: int = 2
+    skip_nonfinite: bool = False
+    collective_timeout_s: int = 600
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: Optional[str] = None  # local directory or hub id
+    from_config: Optional[Dict[str, Any]] = None  # {model_type: llama, hidden_size: ..., ...}
+    config_path: Optional[str] = None  # a shipped config.json: validates a hub id offline
+    tokenizer: Optional[str] = None  # default: the model directory
+    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa
+    activation_checkpointing: bool = False
+    dropout: float = 0.0
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: List[str] = field(default_factory=list)
+    eval_files: List[str] = field(default_factory=list)
+    eval_fraction: float = 0.0
+    dataset: Optional[str] = None
+    split: str = "train"
+    eval_split: Optional[str] = None
+    format: str = "text"  # text | prompt_response | alpaca | messages
+    max_seq_len: int = 512
+    packing: bool = False
+    overlong: str = "truncate"  # truncate | drop
+    num_workers: int = 0
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "llmtrain"
+    name: Optional[str] = None
+    dir: Optional[str] = None  # default: the run dir
+    mode: Optional[str] = None  # null respects WANDB_MODE; online | offline
+    entity: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class BackendConfig:
+    name: str = "ddp"
+
+
+@dataclass
+class StageConfig:
+    name: str = "pretrain"  # pretrain | sft
+
+
+@dataclass
+class PeftConfig:
+    name: str = "none"
+
+
+@dataclass
+class RunConfig:
+    recipe: str = ""
+    output_dir: Optional[str] = None  # default: runs/<recipe>
+    resume: Optional[str] = None  # auto | PATH (a run dir or one step folder) | null
+    dry_run: bool = False
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    stage: StageConfig = field(default_factory=StageConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="schema", node=RunConfig)
+
+
+CHOICES = {
+    "precision": ("auto", "fp32", "bf16", "fp16"),
+    "device": ("auto", "cpu", "cuda"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "data.format": ("text", "prompt_response", "alpaca", "messages"),
+    "data.overlong": ("truncate", "drop"),
+    "backend.name": ("ddp",),
+    "stage.name": ("pretrain", "sft"),
+    "peft.name": ("none",),
+}
+SFT_FORMATS = ("prompt_response", "alpaca", "messages")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def config_problems(cfg: Any, world_size: int) -> list[str]:
+    """Every problem with the config that can be found without the model or the data."""
+    problems = []
+    for name, allowed in CHOICES.items():
+        value = _get(cfg, name)
+        if value not in allowed:
+            problems.append(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    t, o, d, m = cfg.trainer, cfg.optim, cfg.data, cfg.model
+    positive = {"trainer.max_steps": t.max_steps, "trainer.micro_batch_size": t.micro_batch_size,
+                "trainer.grad_accum_steps": t.grad_accum_steps, "data.max_seq_len": d.max_seq_len,
+                "trainer.keep_last_k": t.keep_last_k, "trainer.collective_timeout_s": t.collective_timeout_s}
+    problems += [f"{k}={v} must be >= 1" for k, v in positive.items() if v < 1]
+    non_negative = {"trainer.eval_every_n_steps": t.eval_every_n_steps, "trainer.save_every_n_steps":
+                    t.save_every_n_steps, "trainer.log_every_n_steps": t.log_every_n_steps,
+                    "optim.warmup_steps": o.warmup_steps, "optim.max_grad_norm": o.max_grad_norm,
+                    "optim.weight_decay": o.weight_decay, "data.num_workers": d.num_workers}
+    problems += [f"{k}={v} must be >= 0" for k, v in non_negative.items() if v < 0]
+    if not o.lr > 0:
+        problems.append(f"optim.lr={o.lr} must be > 0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        problems.append(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if not 0 <= o.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if not 0 <= m.dropout < 1:
+        problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    if not 0 <= d.eval_fraction < 1:
+        problems.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    problems += _batch_problems(t, data_parallel_size=world_size)
+    problems += _source_problems(cfg)
+    return problems
+
+
+def _batch_problems(t: TrainerConfig, data_parallel_size: int) -> list[str]:
+    derived = t.micro_batch_size * t.grad_accum_steps * data_parallel_size
+    if t.global_batch_size is not None and t.global_batch_size != derived:
+        return [
+            f"trainer.global_batch_size={t.global_batch_size} but trainer.micro_batch_size "
+            f"{t.micro_batch_size} × trainer.grad_accum_steps {t.grad_accum_steps} × dp "
+            f"{data_parallel_size} = {derived}; change one of them or drop trainer.global_batch_size"
+        ]
+    return []
+
+
+def _source_problems(cfg: Any) -> list[str]:
+    problems = []
+    m, d = cfg.model, cfg.data
+    if (m.name_or_path is None) == (m.from_config is None):
+        problems.append("set exactly one of model.name_or_path (a directory or hub id) and "
+                        "model.from_config (random init: model_type plus size fields)")
+    if m.from_config is not None and "model_type" not in m.from_config:
+        problems.append("model.from_config needs model_type (llama, qwen2, mistral, gpt2, ...)")
+    if m.from_config is not None and m.tokenizer is None:
+        problems.append("model.from_config has no weights directory to take a tokenizer from: "
+                        "set model.tokenizer")
+    if not d.train_files and d.dataset is None:
+        problems.append("no training data: set data.train_files=[...] or data.dataset=NAME")
+    if d.train_files and d.dataset is not None:
+        problems.append("set data.train_files or data.dataset, not both")
+    if d.eval_files and d.eval_fraction > 0:
+        problems.append("set data.eval_files or data.eval_fraction, not both")
+    if cfg.stage.name == "sft" and d.format not in SFT_FORMATS:
+        problems.append(f"stage sft trains on responses only: data.format={d.format!r} must be one of "
+                        f"{', '.join(SFT_FORMATS)} (use stage=pretrain for plain text)")
+    if cfg.stage.name == "pretrain" and d.format != "text":
+        problems.append(f"stage pretrain trains on every token: data.format={d.format!r} must be text "
+                        "(use stage=sft for prompt/response data)")
+    return problems
+
+
+def validate(cfg: Any, world_size: int) -> None:
+    problems = config_problems(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

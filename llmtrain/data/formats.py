@@ -1,0 +1,253 @@
+"""Rows -> `input_ids` with aligned `labels` (IGNORE_INDEX where no loss), one encoder per format.
+
+Every encoder returns {"input_ids", "labels", "outcome"}; `outcome` says whether the sample was
+kept as is, truncated, or dropped, so the counts in `DataStats` come from the same code that acts.
+Target tokens are counted the way the loss counts them: labels[1:] (label 0 is never predicted).
+"""
+
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+from llmtrain.data.errors import DataConfigError
+from llmtrain.losses.lm import IGNORE_INDEX
+
+KEPT, TRUNCATED = "kept", "truncated"
+DROPPED_OVERLONG, DROPPED_NO_TARGET = "dropped_overlong", "dropped_no_target"
+OVERLONG_POLICIES = ("truncate", "drop")
+
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+# Per format: the columns it needs; each entry lists the accepted names for one column.
+REQUIRED_COLUMNS = {
+    "text": [("text",)],
+    "prompt_response": [("prompt",), ("response", "completion")],
+    "alpaca": [("instruction",), ("output",)],  # `input` is optional
+    "messages": [("messages",)],
+}
+
+
+@dataclass
+class DataStats:
+    samples_in: int = 0
+    samples_out: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_no_target: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+
+    @classmethod
+    def from_outcomes(cls, outcomes: list[str], lengths: list[int], targets: list[int]) -> "DataStats":
+        kept = [i for i, outcome in enumerate(outcomes) if outcome in (KEPT, TRUNCATED)]
+        return cls(
+            samples_in=len(outcomes),
+            samples_out=len(kept),
+            truncated=outcomes.count(TRUNCATED),
+            dropped_overlong=outcomes.count(DROPPED_OVERLONG),
+            dropped_no_target=outcomes.count(DROPPED_NO_TARGET),
+            tokens=sum(lengths[i] for i in kept),
+            target_tokens=sum(targets[i] for i in kept),
+        )
+
+    def summary(self) -> str:
+        return " ".join(f"{name}={value}" for name, value in asdict(self).items())
+
+
+class AssistantTurn(NamedTuple):
+    start: int  # first target token
+    marker: int  # index of the end-of-turn token (== end when the template has none)
+    end: int  # one past the last target token
+
+
+def check_columns(column_names: list[str], fmt: str) -> None:
+    if fmt not in REQUIRED_COLUMNS:
+        raise DataConfigError(f"data.format={fmt!r} is unknown; choose one of {sorted(REQUIRED_COLUMNS)}")
+    for accepted in REQUIRED_COLUMNS[fmt]:
+        if not any(name in column_names for name in accepted):
+            raise DataConfigError(
+                f"data.format={fmt} needs a column {' or '.join(repr(n) for n in accepted)}, but the data "
+                f"has columns {sorted(column_names)}; rename the column or set data.format to match the data"
+            )
+
+
+def check_tokenizer(tokenizer, fmt: str) -> None:
+    if fmt == "messages" and getattr(tokenizer, "chat_template", None) is None:
+        raise DataConfigError("data.format=messages needs a chat template, but model.tokenizer has none; "
+                              "use a tokenizer that ships one, or set data.format to prompt_response")
+    if fmt in ("prompt_response", "alpaca") and tokenizer.eos_token_id is None:
+        raise DataConfigError(f"data.format={fmt} appends an eos token so the model learns to stop, but "
+                              "model.tokenizer has no eos_token; use a tokenizer that defines one")
+
+
+def check_length_policy(max_seq_len: int, overlong: str) -> None:
+    if overlong not in OVERLONG_POLICIES:
+        raise DataConfigError(f"data.overlong={overlong!r} is unknown; choose one of {OVERLONG_POLICIES}")
+    if max_seq_len < 2:
+        raise DataConfigError(f"data.max_seq_len={max_seq_len} leaves nothing to predict; use 2 or more")
+
+
+def count_targets(labels: list[int]) -> int:
+    return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+
+
+def encode_row(row: dict, tokenizer, fmt: str, max_seq_len: int | None, overlong: str) -> dict:
+    """The format's encoding, with samples left without a target token marked as dropped."""
+    encoded = FORMATS[fmt](row, tokenizer, max_seq_len, overlong)
+    if encoded["outcome"] != DROPPED_OVERLONG and count_targets(encoded["labels"]) == 0:
+        return _dropped(DROPPED_NO_TARGET)
+    return encoded
+
+
+def encode_text(row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
+    ids = _bos(tokenizer) + _token_ids(tokenizer, row["text"]) + _eos(tokenizer)
+    outcome = KEPT
+    if max_seq_len is not None and len(ids) > max_seq_len:
+        if overlong == "drop":
+            return _dropped(DROPPED_OVERLONG)
+        ids, outcome = ids[:max_seq_len], TRUNCATED
+    return {"input_ids": ids, "labels": list(ids), "outcome": outcome}
+
+
+def encode_prompt_response(
+    row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate"
+) -> dict:
+    response = row["response"] if "response" in row else row["completion"]
+    return _encode_prompt_and_response(row["prompt"], response, tokenizer, max_seq_len, overlong)
+
+
+def encode_alpaca(row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
+    prompt = alpaca_prompt(row["instruction"], row.get("input") or "")
+    return _encode_prompt_and_response(prompt, row["output"], tokenizer, max_seq_len, overlong)
+
+
+def alpaca_prompt(instruction: str, input_text: str) -> str:
+    if input_text.strip():
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT.format(instruction=instruction)
+
+
+def _encode_prompt_and_response(prompt: str, response: str, tokenizer, max_seq_len, overlong) -> dict:
+    prompt_ids = _bos(tokenizer) + _token_ids(tokenizer, prompt)
+    response_ids = _token_ids(tokenizer, response)
+    eos = _eos(tokenizer)
+    outcome = KEPT
+    if max_seq_len is not None and len(prompt_ids) + len(response_ids) + len(eos) > max_seq_len:
+        room = max_seq_len - len(prompt_ids) - len(eos)  # response tokens that fit before the eos
+        # A prompt that leaves no room for one response token is dropped, never cut from the left:
+        # its start usually holds the instruction that the response answers.
+        if overlong == "drop" or room < 1:
+            return _dropped(DROPPED_OVERLONG)
+        response_ids, outcome = response_ids[:room], TRUNCATED
+    ids = prompt_ids + response_ids + eos
+    labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids + eos
+    return {"input_ids": ids, "labels": labels, "outcome": outcome}
+
+
+def encode_messages(row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
+    """Chat rendered by the tokenizer's template; only assistant turns (through end-of-turn) are targets.
+
+    The template owns the special tokens (a bos included), so none are added here.
+    """
+    messages = row["messages"]
+    ids = _chat_ids(tokenizer, messages, add_generation_prompt=False)
+    turns = _assistant_turns(tokenizer, messages, ids)
+    fitted = _fit_conversation(ids, turns, max_seq_len, overlong)
+    if fitted is None:
+        return _dropped(DROPPED_OVERLONG)
+    ids, turns, outcome = fitted
+    labels = [IGNORE_INDEX] * len(ids)
+    for turn in turns:
+        labels[turn.start : turn.end] = ids[turn.start : turn.end]
+    return {"input_ids": ids, "labels": labels, "outcome": outcome}
+
+
+def _assistant_turns(tokenizer, messages: list[dict], full_ids: list[int]) -> list[AssistantTurn]:
+    """Token span of each assistant reply, found by rendering the conversation up to it."""
+    special_ids = _special_token_ids(tokenizer)
+    turns = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise DataConfigError("data.format=messages: a conversation starts with an assistant message; "
+                                  "transformers cannot render the empty context before it, so its loss "
+                                  "span is unknown; start every conversation with a system or user message")
+        before = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if through[: len(before)] != before or full_ids[: len(through)] != through:
+            raise DataConfigError(
+                f"data.format=messages: the chat template of model.tokenizer does not render turns "
+                f"incrementally (messages[:{i}] with add_generation_prompt=True is not a token prefix of "
+                f"messages[:{i + 1}], or that is not a prefix of the whole conversation), so assistant "
+                f"tokens cannot be located; use a template that renders each turn on its own, or "
+                f"convert the data to data.format=prompt_response"
+            )
+        turns.append(_turn_span(len(before), through, special_ids))
+    return turns
+
+
+def _turn_span(start: int, through: list[int], special_ids: set[int]) -> AssistantTurn:
+    # Targets run through the last special token of the reply (e.g. <|end|>, <|eot_id|>, </s>): the
+    # token generation stops at. Template text after it (a newline) is formatting, not the reply.
+    markers = [t for t in range(start, len(through)) if through[t] in special_ids]
+    if not markers:
+        return AssistantTurn(start, len(through), len(through))
+    return AssistantTurn(start, markers[-1], markers[-1] + 1)
+
+
+def _fit_conversation(ids: list[int], turns: list[AssistantTurn], max_seq_len, overlong):
+    """(ids, turns, outcome) within max_seq_len, or None when the sample is dropped."""
+    if max_seq_len is None or len(ids) <= max_seq_len:
+        return ids, turns, KEPT
+    if overlong == "drop":
+        return None
+    fitting = [turn for turn in turns if turn.end <= max_seq_len]
+    if fitting:  # whole trailing turns go; every kept reply keeps its end-of-turn token
+        return ids[: fitting[-1].end], fitting, TRUNCATED
+    if not turns:
+        return ids[:max_seq_len], [], TRUNCATED  # no target at all: counted as dropped_no_target
+    first = turns[0]
+    marker = ids[first.marker : first.end]
+    room = max_seq_len - first.start - len(marker)  # reply tokens that fit before its end-of-turn
+    if room < 1:  # the context before the first reply does not fit: dropped, as for prompts
+        return None
+    cut = ids[: first.start + room] + marker
+    return cut, [AssistantTurn(first.start, first.start + room, len(cut))], TRUNCATED
+
+
+def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    # transformers 5 returns a BatchEncoding here; older versions a plain list
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def _special_token_ids(tokenizer) -> set[int]:
+    added_special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return set(tokenizer.all_special_ids) | added_special
+
+
+def _token_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _bos(tokenizer) -> list[int]:
+    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+
+
+def _eos(tokenizer) -> list[int]:
+    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+
+
+def _dropped(outcome: str) -> dict:
+    return {"input_ids": [], "labels": [], "outcome": outcome}
+
+
+FORMATS = {
+    "text": encode_text,
+    "prompt_response": encode_prompt_response,
+    "alpaca": encode_alpaca,
+    "messages": encode_messages,
+}

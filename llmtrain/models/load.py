@@ -1,0 +1,94 @@
+"""Hugging Face models and tokenizers: from a local directory / hub id, or random init from a config.
+
+Nothing here knows about backends: a model comes back as a plain nn.Module in fp32 (master weights)
+on the CPU; the backend moves, wraps and casts it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from llmtrain.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The dropout knobs each family exposes; the first ones present on a config are set.
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                  "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def load_tokenizer(source: str, trust_remote_code: bool):
+    """Tokenizer from a directory or hub id; one without a pad token gets eos as pad (the usual way)."""
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token  # labels are built before padding: eos stays a target
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<pad>"})  # grows the vocabulary: embeddings resize
+    return tokenizer
+
+
+def model_config(name_or_path: str | None, from_config: dict | None, config_path: str | None,
+                 trust_remote_code: bool, vocab_size: int | None = None) -> PretrainedConfig:
+    """The architecture config alone (no weights): what validation and dry runs read."""
+    if from_config is not None:
+        fields = dict(from_config)
+        model_type = fields.pop("model_type")
+        known = set(AutoConfig.for_model(model_type).to_dict())
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigError(f"model.from_config: {model_type} configs have no field(s) {', '.join(unknown)}; "
+                              f"check the spelling against transformers' {model_type} config")
+        if vocab_size is not None:
+            fields.setdefault("vocab_size", vocab_size)
+        return AutoConfig.for_model(model_type, **fields)
+    if config_path is not None and not Path(name_or_path).is_dir():
+        return AutoConfig.from_pretrained(config_path)
+    return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+
+
+def resolve_attn_implementation(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def set_dropout(config: PretrainedConfig, dropout: float) -> None:
+    for name in DROPOUT_FIELDS:
+        if hasattr(config, name):
+            setattr(config, name, dropout)
+
+
+def build_model(*, name_or_path: str | None, from_config: dict | None, config_path: str | None,
+                tokenizer: Any, attn_implementation: str, dropout: float,
+                activation_checkpointing: bool, trust_remote_code: bool) -> torch.nn.Module:
+    """An fp32 causal LM on the CPU, its embeddings sized to the tokenizer."""
+    config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer))
+    set_dropout(config, dropout)
+    config.use_cache = False
+    if from_config is not None:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, config=config, attn_implementation=attn_implementation, dtype=torch.float32,
+            trust_remote_code=trust_remote_code)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    if tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

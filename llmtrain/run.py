@@ -1,0 +1,177 @@
+"""One run, in order: validate (every rank, nothing loaded) -> plan/dry run -> process group -> tokenizer
+-> data -> model -> engine -> resume -> fit -> HF export. Builders get plain values, never the cfg."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from llmtrain import checkpoint as ckpt
+from llmtrain.backends import build_backend
+from llmtrain.backends.base import OptimizerSpec
+from llmtrain.config import ConfigError, validate
+from llmtrain.data.pipeline import build_data, eval_batches, train_batches
+from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
+from llmtrain.models.load import build_model, count_parameters, load_tokenizer, model_config
+from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
+from llmtrain.run_metadata import run_metadata
+from llmtrain.stages import build_stage
+from llmtrain.trainer import Trainer, TrainerSettings
+
+log = logging.getLogger("llmtrain")
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"  # CPU: bf16 autocast is ~35x slower than fp32 here
+
+
+def check_run_dir(run_dir: Path, resume: str | None) -> None:
+    if resume is None and ckpt.has_checkpoints(run_dir):
+        raise ConfigError(f"output_dir={run_dir} already holds checkpoints: pass resume=auto to continue "
+                          "that run, or another output_dir (nothing was overwritten)")
+
+
+def batch_arithmetic(cfg: DictConfig, world: int) -> str:
+    t = cfg.trainer
+    rows = t.micro_batch_size * t.grad_accum_steps * world
+    return (f"global batch {rows} rows = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
+            f"{t.grad_accum_steps} × dp {world} (≤ {rows * cfg.data.max_seq_len} tokens at max_seq_len "
+            f"{cfg.data.max_seq_len})")
+
+
+def _local_vocab_size(tokenizer_source: str | None, trust_remote_code: bool) -> int | None:
+    """The tokenizer's size when it is on disk (cheap, no weights); None for a hub id offline."""
+    if tokenizer_source is None or not Path(tokenizer_source).is_dir():
+        return None
+    return len(load_tokenizer(tokenizer_source, trust_remote_code))
+
+
+def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: str) -> str:
+    m = cfg.model
+    vocab = _local_vocab_size(m.tokenizer or m.name_or_path, m.trust_remote_code)
+    arch = model_config(m.name_or_path, m.from_config, m.config_path, m.trust_remote_code, vocab_size=vocab)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+        params = count_parameters(AutoModelForCausalLM.from_config(arch))
+    lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
+             f"on {device.type}, world {world}",
+             f"model {m.name_or_path or arch.model_type}: {params / 1e6:,.1f}M parameters "
+             f"(L={arch.num_hidden_layers}, h={arch.hidden_size}, heads={arch.num_attention_heads}, "
+             f"vocab={arch.vocab_size})",
+             f"training FLOPs ≈ 6·M = {6 * params / 1e9:,.2f} GFLOP per token",
+             f"model states (fp32 Adam, DDP) ≈ 16·M = {16 * params / 2**30:,.1f} GiB per rank",
+             batch_arithmetic(cfg, world),
+             f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}"]
+    return "\n".join(lines)
+
+
+def optimizer_spec(cfg: DictConfig) -> OptimizerSpec:
+    o = cfg.optim
+    return OptimizerSpec(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                         warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
+                         max_grad_norm=o.max_grad_norm, max_steps=cfg.trainer.max_steps)
+
+
+def run(cfg: DictConfig) -> None:
+    world = env_world_size()
+    validate(cfg, world)
+    run_dir = Path(cfg.output_dir)
+    check_run_dir(run_dir, cfg.resume)
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    plan = describe_plan(cfg, world, device, precision)  # also validates model.from_config fields
+    if cfg.dry_run:
+        print(plan, flush=True)
+        return
+    resume_dir = ckpt.find_resume_dir(cfg.resume, run_dir)
+    ctx = init_distributed(cfg.device, cfg.trainer.collective_timeout_s)
+    try:
+        _train(cfg, ctx, run_dir, precision, plan, resume_dir)
+    finally:
+        shutdown()
+
+
+def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, plan: str,
+           resume_dir: Path | None) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.trainer
+    if ctx.is_main:
+        log.info("plan:\n%s", plan)
+    tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
+    data = build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
+                      eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
+                      max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing, tokenizer=tokenizer,
+                      seed=t.seed)
+    if ctx.is_main:
+        log.info("train data: %s", data.train_stats.summary())
+        if data.eval_stats is not None:
+            log.info("eval data: %s", data.eval_stats.summary())
+    torch.manual_seed(t.seed)  # identical random init on every rank
+    model = build_model(name_or_path=m.name_or_path, from_config=m.from_config, config_path=m.config_path,
+                        tokenizer=tokenizer, attn_implementation=_attn(m.attn_implementation, ctx.device),
+                        dropout=m.dropout, activation_checkpointing=m.activation_checkpointing,
+                        trust_remote_code=m.trust_remote_code)
+    engine = build_backend(cfg.backend.name, ctx, precision).wrap(model, optimizer_spec(cfg))
+    config_yaml = _config_yaml(cfg, ctx, precision)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+    settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
+                               global_batch_size=t.micro_batch_size * t.grad_accum_steps * ctx.world_size,
+                               eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
+                               skip_nonfinite=t.skip_nonfinite)
+    pad_id = tokenizer.pad_token_id
+    trainer = Trainer(
+        settings, ctx=ctx, stage=build_stage(cfg.stage.name), engine=engine,
+        train_batches=lambda start: train_batches(
+            data.train, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+            dp_rank=ctx.rank, dp_size=ctx.world_size, seed=t.seed, pad_token_id=pad_id,
+            num_workers=d.num_workers, start_step=start),
+        eval_batches=None if data.eval is None else eval_batches(
+            data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=ctx.rank,
+            dp_size=ctx.world_size, pad_token_id=pad_id),
+        checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[])
+    if resume_dir is not None:
+        trainer.resume_from(resume_dir)
+    trainer.sinks = _sinks(cfg, ctx, run_dir, trainer.step, resume_dir is not None) if ctx.is_main else []
+    try:
+        trainer.fit()
+        engine.export_hf(run_dir / "hf")
+        if ctx.is_main:
+            tokenizer.save_pretrained(run_dir / "hf")
+            log.info("done: %d steps; Hugging Face export in %s", trainer.step, run_dir / "hf")
+    finally:
+        for sink in trainer.sinks:
+            sink.close()
+
+
+def _attn(requested: str, device: torch.device) -> str:
+    from llmtrain.models.load import resolve_attn_implementation
+    return resolve_attn_implementation(requested, device)
+
+
+def _config_yaml(cfg: DictConfig, ctx: DistContext, precision: str) -> str:
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["run_metadata"] = run_metadata(ctx.world_size, cfg.backend.name, ctx.device, precision)
+    return OmegaConf.to_yaml(OmegaConf.create(resolved))
+
+
+def _sinks(cfg: DictConfig, ctx: DistContext, run_dir: Path, start_step: int, resumed: bool) -> list:
+    metrics = run_dir / "metrics.jsonl"
+    if not resumed and metrics.exists():  # a run that died before its first checkpoint: keep its log
+        metrics.rename(run_dir / f"metrics.{int(time.time())}.jsonl")
+    sinks = [JsonlSink(metrics, resume_step=start_step if resumed else None),
+             ConsoleSink(cfg.trainer.max_steps, start_step, cfg.trainer.log_every_n_steps)]
+    w = cfg.logger.wandb
+    if w.enabled:
+        sinks.append(WandbSink(project=w.project, name=w.name or run_dir.name, directory=Path(w.dir or run_dir),
+                               mode=w.mode, entity=w.entity, tags=list(w.tags),
+                               config=OmegaConf.to_container(cfg, resolve=True)))
+    return sinks

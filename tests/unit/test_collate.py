@@ -1,0 +1,92 @@
+"""Collate: padding, the padding mask, the packed block-causal mask, and the Batch helpers."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from llmtrain.data.collate import collate
+from llmtrain.data.packing import merge_packed
+from llmtrain.losses.lm import IGNORE_INDEX, lm_loss_sum
+
+PAD = 0
+X = IGNORE_INDEX
+
+
+def sample(ids: list[int], labels: list[int] | None = None) -> dict:
+    return {"input_ids": ids, "labels": list(ids) if labels is None else labels}
+
+
+def test_unpacked_rows_are_right_padded_with_a_padding_mask():
+    batch = collate([sample([5, 6, 7]), sample([8, 9, 10, 11, 12], [X, X, 10, 11, 12]), sample([13])], PAD)
+    assert batch.input_ids.tolist() == [[5, 6, 7, PAD, PAD], [8, 9, 10, 11, 12], [13, PAD, PAD, PAD, PAD]]
+    assert batch.labels.tolist() == [[5, 6, 7, X, X], [X, X, 10, 11, 12], [13, X, X, X, X]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert batch.attention_mask.dtype == torch.long and batch.position_ids is None
+    assert batch.num_target_tokens() == 2 + 3 + 0  # shifted: label 0 of each row never counts
+    assert set(batch.model_inputs()) == {"input_ids", "attention_mask"}
+
+
+def test_pad_to_multiple_of_rounds_the_width_up():
+    batch = collate([sample([5, 6, 7, 8, 9])], PAD, pad_to_multiple_of=4)
+    assert batch.input_ids.shape == (1, 8)
+    assert batch.labels[0, 5:].tolist() == [X, X, X]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]
+
+
+def test_packed_rows_get_a_float_block_causal_mask():
+    packed = merge_packed([sample([5, 6]), sample([7, 8, 9])])
+    batch = collate([packed, merge_packed([sample([1, 2, 3, 4, 5, 6])])], PAD, pad_to_multiple_of=7)
+    mask = batch.attention_mask
+    assert mask.shape == (2, 1, 7, 7) and mask.dtype == torch.float32
+    assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+    allowed_first_row = [  # samples [0, 2) and [2, 5); padding at 5 and 6 sees only itself
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 0, 0, 1],
+    ]
+    assert (mask[0, 0] == 0).long().tolist() == allowed_first_row
+    assert (mask[1, 0, :6, :6] == 0).long().tolist() == torch.ones(6, 6).tril().long().tolist()
+    assert batch.position_ids.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 0]]
+    assert batch.labels.tolist() == [[X, 6, X, 8, 9, X, X], [X, 2, 3, 4, 5, 6, X]]
+    assert set(batch.model_inputs()) == {"input_ids", "attention_mask", "position_ids"}
+
+
+def test_an_unpacked_example_in_a_packed_batch_is_one_sample():
+    batch = collate([merge_packed([sample([5]), sample([6, 7])]), sample([1, 2, 3])], PAD)
+    assert (batch.attention_mask[1, 0] == 0).long().tolist() == torch.ones(3, 3).tril().long().tolist()
+    assert batch.position_ids[1].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mask_cast_to_a_compute_dtype_stays_finite(dtype):
+    batch = collate([merge_packed([sample([5, 6]), sample([7])])], PAD).with_mask_dtype(dtype)
+    assert batch.attention_mask.dtype == dtype
+    assert torch.isfinite(batch.attention_mask).all()
+    expected = torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(batch.attention_mask[0, 0] == torch.finfo(dtype).min, expected)
+
+
+def test_to_moves_every_tensor():
+    batch = collate([merge_packed([sample([5, 6]), sample([7])])], PAD).to("meta")
+    assert {t.device.type for t in (batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)} == {"meta"}
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_rows_with_padding_give_finite_logits_and_match_unpadded(attn_implementation):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    short = merge_packed([sample([3, 4, 5]), sample([6, 7])])  # 5 tokens, padded to 11
+    long = merge_packed([sample(list(range(10, 16))), sample(list(range(20, 25)))])  # 11 tokens
+    with torch.no_grad():
+        batch = collate([short, long], PAD)
+        logits = model(**batch.model_inputs()).logits  # (2, 11, V)
+        short_alone = model(**collate([short], PAD).model_inputs()).logits  # (1, 5, V)
+    assert torch.isfinite(logits).all()
+    assert torch.isfinite(lm_loss_sum(logits, batch.labels))
+    assert torch.allclose(logits[0, :5], short_alone[0], atol=1e-5, rtol=0)

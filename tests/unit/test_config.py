@@ -1,0 +1,108 @@
+"""Every shipped yaml composes and validates; bad values fail with the field named."""
+
+from pathlib import Path
+
+import pytest
+
+from llmtrain.compose import available_recipes, compose_config, conf_dir
+from llmtrain.config import ConfigError, validate
+from llmtrain.models.load import model_config
+
+
+def compose_ok(*overrides: str):
+    cfg = compose_config(list(overrides))
+    validate(cfg, world_size=1)
+    return cfg
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = compose_ok(f"recipe={recipe}")
+    assert cfg.recipe == recipe and cfg.output_dir == f"runs/{recipe}"
+    m = cfg.model
+    arch = model_config(m.name_or_path, m.from_config, m.config_path, m.trust_remote_code)
+    assert arch.num_hidden_layers >= 1
+
+
+def group_options():
+    root = conf_dir()
+    return [(group.name, option.stem) for group in sorted(root.iterdir()) if group.is_dir()
+            for option in sorted(group.glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", group_options())
+def test_every_group_option_composes(group, option):
+    extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"]},
+             "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"]}}
+    overrides = [o for o in extra.get(group, {}).get(option, []) if not o.startswith("override")]
+    cfg = compose_ok("recipe=pretrain_tiny", f"{group}={option}", *overrides)
+    assert cfg is not None
+
+
+def test_cli_group_choice_beats_the_recipe():
+    assert compose_ok("recipe=sft_tiny", "data=grammar", "stage=pretrain").data.format == "text"
+
+
+def test_command_line_values_reach_the_config():
+    cfg = compose_ok("recipe=sft_tiny", "trainer.max_steps=7", "optim.lr=0.5", "optim.schedule=linear")
+    assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.optim.schedule) == (7, 0.5, "linear")
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.bogus=1", "trainer.bogus"),
+    ("trainer.max_steps=abc", "trainer.max_steps"),
+    ("optim.schedule=triangle", "optim.schedule"),
+    ("precision=fp8", "precision"),
+    ("data.format=csv", "data.format"),
+    ("data.overlong=wrap", "data.overlong"),
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
+    ("optim.lr=-1", "optim.lr"),
+    ("data.format=text", "data.format"),  # sft stage with plain text
+])
+def test_bad_values_name_the_field(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        compose_ok("recipe=sft_tiny", override)
+
+
+def test_global_batch_arithmetic_is_shown():
+    cfg = compose_config(["recipe=sft_tiny", "trainer.global_batch_size=100", "trainer.micro_batch_size=4",
+                          "trainer.grad_accum_steps=2"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, world_size=4)
+    assert "trainer.global_batch_size=100" in str(error.value) and "4 × trainer.grad_accum_steps 2 × dp 4 = 32" \
+        in str(error.value)
+    validate(compose_config(["recipe=sft_tiny", "trainer.global_batch_size=32", "trainer.micro_batch_size=4",
+                             "trainer.grad_accum_steps=2"]), world_size=4)
+
+
+def test_all_problems_reported_together():
+    cfg = compose_config(["recipe=sft_tiny", "trainer.max_steps=0", "optim.min_lr_ratio=2"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, world_size=1)
+    assert "trainer.max_steps" in str(error.value) and "optim.min_lr_ratio" in str(error.value)
+
+
+def test_unknown_from_config_field_is_an_error():
+    cfg = compose_ok("recipe=sft_tiny", "+model.from_config.hiden_size=64")
+    m = cfg.model
+    with pytest.raises(ConfigError, match="hiden_size"):
+        model_config(m.name_or_path, m.from_config, m.config_path, m.trust_remote_code)
+
+
+def test_model_source_must_be_exactly_one():
+    with pytest.raises(ConfigError, match="model.name_or_path"):
+        compose_ok("recipe=sft_tiny", "model.name_or_path=/some/dir")
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="sft_tiny"):
+        compose_config(["recipe=nope"])
+    with pytest.raises(ConfigError, match="recipe=NAME"):
+        compose_config(["trainer.max_steps=3"])
+
+
+def test_recipe_from_a_path(tmp_path: Path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  max_steps: 3\n")
+    cfg = compose_ok(f"recipe={recipe}")
+    assert cfg.trainer.max_steps == 3 and cfg.recipe == "mine"

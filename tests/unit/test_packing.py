@@ -1,0 +1,108 @@
+"""Packing: the plan, the merged row, and parity of a packed row with its samples run alone."""
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from llmtrain.data.collate import collate
+from llmtrain.data.dataset import build_examples
+from llmtrain.data.formats import FORMATS
+from llmtrain.data.packing import merge_packed, pack_greedy
+from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens, lm_loss_sum
+from llmtrain.models.tiny_tokenizer import TOKENIZER_DIR
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def tiny_llama(attn_implementation: str):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def test_pack_greedy_keeps_order_fits_and_closes_a_row_only_when_full():
+    lengths = [5, 3, 7, 2, 2, 9, 1, 10, 4]
+    groups = pack_greedy(lengths, 10)
+    assert [i for group in groups for i in group] == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in group) <= 10 for group in groups)
+    for group, next_group in zip(groups, groups[1:]):
+        assert sum(lengths[i] for i in group) + lengths[next_group[0]] > 10
+    assert groups == [[0, 1], [2, 3], [4], [5, 6], [7], [8]]  # worked by hand
+
+
+def test_pack_greedy_rejects_a_sample_longer_than_a_row():
+    with pytest.raises(ValueError, match="max_seq_len"):
+        pack_greedy([3, 11], 10)
+
+
+def test_merge_packed_restarts_positions_and_masks_each_first_label():
+    merged = merge_packed([
+        {"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
+        {"input_ids": [4, 5], "labels": [IGNORE_INDEX, 5]},
+        {"input_ids": [6, 7], "labels": [6, 7]},
+    ])
+    assert merged["input_ids"] == [1, 2, 3, 4, 5, 6, 7]
+    assert merged["labels"] == [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5, IGNORE_INDEX, 7]
+    assert merged["position_ids"] == [0, 1, 2, 0, 1, 0, 1]
+    assert merged["seq_lens"] == [3, 2, 2]
+
+
+def test_packed_examples_never_exceed_max_seq_len_and_hold_every_sample_once(tokenizer):
+    rows = datasets.Dataset.from_list([{"text": "x" * n} for n in [3, 30, 12, 1, 25, 7, 60, 2, 18]])
+    unpacked, _ = build_examples(rows, tokenizer, fmt="text", max_seq_len=40, packing=False)
+    packed, _ = build_examples(rows, tokenizer, fmt="text", max_seq_len=40, packing=True)
+    assert len(packed) < len(unpacked)
+    assert all(len(packed[i]["input_ids"]) <= 40 for i in range(len(packed)))
+    assert packed.row_lengths() == [len(packed[i]["input_ids"]) for i in range(len(packed))]
+    packed_tokens = [t for i in range(len(packed)) for t in packed[i]["input_ids"]]
+    assert packed_tokens == [t for i in range(len(unpacked)) for t in unpacked[i]["input_ids"]]
+
+
+def parity_samples(tokenizer) -> list[dict]:
+    rows = [
+        ("prompt_response", {"prompt": "reverse: abcdefg\n", "response": "gfedcba"}),
+        ("text", {"text": "the robot sees the big moon."}),
+        ("prompt_response", {"prompt": "reverse: xy\n", "response": "yx"}),
+        ("text", {"text": "a dog hears a bird in the park every day."}),
+    ]
+    samples = [FORMATS[fmt](row, tokenizer) for fmt, row in rows]
+    assert len({len(sample["input_ids"]) for sample in samples}) == len(samples)  # all lengths differ
+    return samples
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_row_matches_its_samples_run_alone(tokenizer, attn_implementation):
+    model = tiny_llama(attn_implementation)
+    samples = parity_samples(tokenizer)
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]])).logits[0] for s in samples]  # (T_i, V)
+        loss_sum = sum(lm_loss_sum(logits[None], torch.tensor([s["labels"]])) for logits, s in zip(alone, samples))
+        count = sum(count_target_tokens(torch.tensor([s["labels"]])) for s in samples)
+
+        batch = collate([merge_packed(samples)], pad_token_id=tokenizer.eos_token_id)
+        packed_logits = model(**batch.model_inputs()).logits  # (1, T, V)
+        packed_loss = lm_loss_sum(packed_logits, batch.labels) / batch.num_target_tokens()
+
+    assert batch.num_target_tokens() == count
+    assert torch.allclose(packed_loss, loss_sum / count, atol=1e-5, rtol=0)
+    per_sample = packed_logits[0].split([len(s["input_ids"]) for s in samples])
+    for packed, single in zip(per_sample, alone):
+        assert torch.allclose(packed, single, atol=1e-5, rtol=0)
+
+
+def test_position_ids_alone_do_not_isolate_packed_samples(tokenizer):
+    """Control: without the block mask the second sample sees the first, so parity above is earned."""
+    model = tiny_llama("sdpa")
+    samples = parity_samples(tokenizer)[:2]
+    merged = merge_packed(samples)
+    with torch.no_grad():
+        second_alone = model(input_ids=torch.tensor([samples[1]["input_ids"]])).logits[0]
+        leaky = model(input_ids=torch.tensor([merged["input_ids"]]),
+                      position_ids=torch.tensor([merged["position_ids"]])).logits[0]
+    second_leaky = leaky[len(samples[0]["input_ids"]):]
+    assert not torch.allclose(second_leaky, second_alone, atol=1e-3)
