@@ -15,6 +15,8 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from llmtrain.compose import compose_config
+    from llmtrain.data.errors import DataConfigError
+    from llmtrain.trainer import NonFiniteError
     from llmtrain.parallel import env_rank
     from llmtrain.run import run
 
@@ -23,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose_config(_strip_launcher_args(sys.argv[1:] if argv is None else argv))
         run(cfg)
-    except (ConfigError, FileExistsError, FileNotFoundError) as error:
+    except (ConfigError, DataConfigError, FileNotFoundError) as error:
         print(f"llmtrain: error on rank {env_rank()}: {error}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as error:
+        print(f"llmtrain: stopped on rank {env_rank()}: {error}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
-from llmtrain.backends.base import OptimizerSpec
+from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import ConfigError, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
@@ -128,6 +128,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
                                skip_nonfinite=t.skip_nonfinite)
     pad_id = tokenizer.pad_token_id
+    attn = model.config._attn_implementation
     trainer = Trainer(
         settings, ctx=ctx, stage=build_stage(cfg.stage.name), engine=engine,
         train_batches=lambda start: train_batches(
@@ -137,7 +138,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         eval_batches=None if data.eval is None else eval_batches(
             data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=ctx.rank,
             dp_size=ctx.world_size, pad_token_id=pad_id),
-        checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[])
+        checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
+        prepare_batch=batch_preparer(ctx.device, precision, attn))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)
     trainer.sinks = _sinks(cfg, ctx, run_dir, trainer.step, resume_dir is not None) if ctx.is_main else []
@@ -150,6 +152,20 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     finally:
         for sink in trainer.sinks:
             sink.close()
+
+
+def batch_preparer(device: torch.device, precision: str, attn_implementation: str):
+    """Move a batch to the device with the mask form its attention needs: varlen (no mask) for
+    flash-attention, else the packed float mask in the compute dtype (sdpa wants them equal)."""
+    mask_dtype = autocast_dtype(precision) or torch.float32
+
+    def prepare(batch):
+        batch = batch.to(device, non_blocking=device.type == "cuda")
+        if attn_implementation.startswith("flash_attention"):
+            return batch.for_varlen_attention()
+        return batch.with_mask_dtype(mask_dtype)
+
+    return prepare
 
 
 def _attn(requested: str, device: torch.device) -> str:

@@ -38,10 +38,11 @@ class TrainerSettings:
 class Trainer:
     def __init__(self, settings: TrainerSettings, *, ctx: DistContext, stage, engine,
                  train_batches: Callable[[int], Iterator], eval_batches: Callable[[], Iterable] | None,
-                 checkpointer, config_yaml: str, sinks: list):
+                 checkpointer, config_yaml: str, sinks: list, prepare_batch: Callable = lambda batch: batch):
         self.s, self.ctx, self.stage, self.engine = settings, ctx, stage, engine
         self.train_batches, self.eval_batches = train_batches, eval_batches
         self.checkpointer, self.config_yaml, self.sinks = checkpointer, config_yaml, sinks
+        self.prepare_batch = prepare_batch  # device move + attention-mask form for this model
         self.step = 0
         self.skipped_steps = 0
 
@@ -66,7 +67,7 @@ class Trainer:
         if self.step == 0 and self.eval_batches is not None and self.s.eval_every_n_steps > 0:
             self._emit(self.evaluate())
         while self.step < self.s.max_steps:
-            micro_batches = [next(batches).to(self.ctx.device) for _ in range(self.s.grad_accum_steps)]
+            micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
             record = self.train_step(micro_batches)
             self._emit(record)
             last = self.step == self.s.max_steps
@@ -119,7 +120,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, targets, correct
         for batch in self.eval_batches():
             with self.engine.autocast():
-                sums += self.stage.eval_sums(self.engine.module, batch.to(self.ctx.device)).double()
+                sums += self.stage.eval_sums(self.engine.module, self.prepare_batch(batch)).double()
         loss_sum, targets, correct = all_reduce_sum(sums).tolist()
         eval_loss = loss_sum / max(targets, 1)
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),

@@ -18,12 +18,13 @@ from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens
 class Batch:
     input_ids: torch.Tensor  # (B, T) long
     labels: torch.Tensor  # (B, T) long, aligned with input_ids, IGNORE_INDEX where no loss
-    attention_mask: torch.Tensor  # (B, T) long padding mask, or (B, 1, T, T) float when packed
+    attention_mask: torch.Tensor | None  # (B, T) long padding mask, (B, 1, T, T) float when packed,
+    # or None for packed rows under flash-attention varlen (position_ids alone delimit the samples)
     position_ids: torch.Tensor | None = None  # (B, T) long, restarting per sample; packed rows only
 
     @property
     def is_packed(self) -> bool:
-        return self.attention_mask.dim() == 4
+        return self.position_ids is not None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -32,13 +33,19 @@ class Batch:
         return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask),
                      move(self.position_ids))
 
+    def for_varlen_attention(self) -> "Batch":
+        """Packed rows for flash-attention varlen: no dense mask, samples found from position_ids."""
+        return replace(self, attention_mask=None) if self.is_packed else self
+
     def num_target_tokens(self) -> torch.Tensor:
         """Tokens that carry a loss after the one-token shift (a 0-d long tensor)."""
         return count_target_tokens(self.labels)
 
     def model_inputs(self) -> dict:
         """Keyword arguments for `model(**...)`; labels stay out (the loss is `lm_loss_sum`)."""
-        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        inputs = {"input_ids": self.input_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
         return inputs
@@ -48,7 +55,7 @@ class Batch:
 
         Rebuilt rather than cast: finfo(float32).min cast to float16 overflows to -inf.
         """
-        if not self.is_packed or self.attention_mask.dtype == dtype:
+        if not self.is_packed or self.attention_mask is None or self.attention_mask.dtype == dtype:
             return self
         return replace(self, attention_mask=float_mask(self.attention_mask < 0, dtype))
 

@@ -31,7 +31,7 @@ def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | 
     train_rows = load_rows(list(train_files) or None, dataset, split)
     eval_rows = None
     if eval_files:
-        eval_rows = load_rows(list(eval_files), None, "train")
+        eval_rows = load_rows(list(eval_files), None, "train", files_field="data.eval_files")
     elif eval_split is not None:
         eval_rows = load_rows(None, dataset, eval_split)
     elif eval_fraction > 0:

@@ -55,12 +55,12 @@ class ConsoleSink:
 
     def log(self, record: dict[str, Any]) -> None:
         if "eval_loss" in record:
-            self.progress.console.print(f"eval  {_format(record)}")
+            self.progress.console.print(f"eval  {_format(record)}", soft_wrap=True)
             return
         self.progress.update(self.task, completed=record["step"],
                              status=f"loss {record['loss']:.4f} lr {record['lr']:.2e}")
         if self.every and (record["step"] % self.every == 0 or record["step"] == 1):
-            self.progress.console.print(f"train {_format(record)}")
+            self.progress.console.print(f"train {_format(record)}", soft_wrap=True)
 
     def close(self) -> None:
         self.progress.stop()

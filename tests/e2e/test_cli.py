@@ -1,0 +1,178 @@
+"""The command line end to end: dry runs, run-dir safety, resume, torn checkpoints, W&B offline
+files, secrets, HF export, non-finite steps, bad input on every rank, the installed layout."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, assert_ok, cli_env, read_metrics, run_cli
+
+pytestmark = pytest.mark.e2e
+
+FAKE_SECRETS = {"WANDB_API_KEY": "wandb-fake-secret-7f3a9c", "HF_TOKEN": "hf_fake_secret_Q81zz",
+                "OPENAI_API_KEY": "sk-fake-secret-000111"}
+TINY = ["recipe=sft_tiny", "trainer.log_every_n_steps=0", "trainer.eval_every_n_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory) -> Path:
+    """4 steps, checkpoints at 2 and 4, W&B offline, fake secrets planted in the environment."""
+    run_dir = tmp_path_factory.mktemp("wandb_run") / "run"
+    result = run_cli([*TINY, "trainer.max_steps=4", "trainer.save_every_n_steps=2", "logger=wandb",
+                      f"output_dir={run_dir}"], env=cli_env(**FAKE_SECRETS))
+    assert_ok(result)
+    return run_dir
+
+
+def test_metrics_file_has_every_step(wandb_run):
+    train, evals = read_metrics(wandb_run)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    for r in train:
+        assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"} <= set(r)
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"])
+    assert all(abs(e["eval_ppl"] - 2.718281828 ** e["eval_loss"]) < 1e-6 * e["eval_ppl"] for e in evals)
+
+
+def test_secrets_never_reach_the_run_dir(wandb_run):
+    for path in wandb_run.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            for name, secret in FAKE_SECRETS.items():
+                assert secret.encode() not in data, f"{name} leaked into {path}"
+
+
+def test_wandb_offline_run_holds_config_and_metrics(wandb_run):
+    logs = glob.glob(str(wandb_run / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(logs) == 1
+    data = Path(logs[0]).read_bytes()  # W&B's record log: values are stored as JSON text
+    for record in read_metrics(wandb_run)[0]:
+        assert json.dumps(record["loss"]).encode() in data and json.dumps(record["grad_norm"]).encode() in data
+    assert b"micro_batch_size" in data and b"sft_tiny" in data
+
+
+def test_config_yaml_has_run_metadata(wandb_run):
+    import yaml
+
+    saved = yaml.safe_load((wandb_run / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 4
+    meta = saved["run_metadata"]
+    assert meta["world_size"] == 1 and meta["backend"] == "ddp" and meta["versions"]["torch"] == torch.__version__
+
+
+def test_hf_export_reloads_with_identical_logits(wandb_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(wandb_run / "hf").eval()
+    trained = AutoModelForCausalLM.from_pretrained(wandb_run / "hf").eval()
+    state = torch.load(wandb_run / "checkpoints" / "step_4" / "engine" / "model.pt", weights_only=True)
+    trained.load_state_dict(state)  # the trained engine's weights, as checkpointed at the last step
+    tokenizer = AutoTokenizer.from_pretrained(wandb_run / "hf")
+    ids = torch.tensor([tokenizer("reverse: hello\n").input_ids])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    initial = AutoModelForCausalLM.from_config(exported.config)
+    assert not torch.equal(initial.lm_head.weight, exported.lm_head.weight)
+
+
+def tree_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_existing_run_dir_is_not_overwritten_and_resume_auto_continues(wandb_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(wandb_run, run_dir)
+    before = tree_digest(run_dir / "checkpoints")
+    refused = run_cli([*TINY, "trainer.max_steps=6", f"output_dir={run_dir}"])
+    assert refused.returncode == 2 and "resume=auto" in refused.stderr
+    assert tree_digest(run_dir / "checkpoints") == before
+    assert_ok(run_cli([*TINY, "trainer.max_steps=6", f"output_dir={run_dir}", "resume=auto"]))
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5, 6]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_6"
+
+
+def test_torn_checkpoint_is_ignored_with_a_warning(wandb_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(wandb_run, run_dir)
+    (run_dir / "checkpoints" / "step_4" / "COMPLETE").unlink()  # as if the save died before its marker
+    result = run_cli([*TINY, "trainer.max_steps=5", f"output_dir={run_dir}", "resume=auto"])
+    assert_ok(result)
+    assert "not complete" in result.stderr or "no COMPLETE marker" in result.stderr
+    train = read_metrics(run_dir)[0]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]  # steps 3-4 redone from step_2
+    original = read_metrics(wandb_run)[0]
+    assert [r["loss"] for r in train[:4]] == [r["loss"] for r in original]
+
+
+def test_dry_run_of_a_7b_recipe_loads_nothing(tmp_path):
+    start = time.time()
+    result = run_cli(["recipe=sft_7b", "dry_run=true"], cwd=tmp_path)  # any working directory
+    assert_ok(result)
+    # Llama-2-7B by hand: L(4h² + 3hi + 2h) + 2Vh + h, h=4096, i=11008, L=32, V=32000
+    h, i, layers, vocab = 4096, 11008, 32, 32000
+    expected = layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * vocab * h + h
+    assert f"{expected / 1e6:,.1f}M parameters" in result.stdout
+    assert "global batch 16 rows = micro_batch_size 4 × grad_accum_steps 4 × dp 1" in result.stdout
+    assert time.time() - start < 60 and not (tmp_path / "runs").exists()
+    assert_ok(run_cli(["recipe=pretrain_7b", "dry_run=true"], cwd=tmp_path))
+
+
+def test_bad_config_fails_on_every_rank_within_seconds(tmp_path):
+    start = time.time()
+    result = run_cli([*TINY, "trainer.global_batch_size=7", f"output_dir={tmp_path / 'x'}"], nproc=2)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"error on rank {rank}" in result.stderr
+    assert "trainer.global_batch_size=7" in result.stderr and time.time() - start < 60
+
+
+def test_missing_data_column_names_the_field(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
+    result = run_cli([*TINY, f"data.train_files=[{data}]", "data.eval_files=[]", f"output_dir={tmp_path / 'x'}"])
+    assert result.returncode == 2 and "data.format" in result.stderr and "prompt" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_non_finite_loss_stops_all_ranks_or_is_skipped(tmp_path):
+    blow_up = [*TINY, "trainer.eval_every_n_steps=0", "optim.lr=1e30", "optim.warmup_steps=0",
+               "optim.max_grad_norm=0", "trainer.max_steps=4"]
+    stopped = run_cli([*blow_up, f"output_dir={tmp_path / 'a'}"], nproc=2)
+    assert stopped.returncode != 0 and "not finite" in stopped.stderr
+    assert stopped.stderr.count("stopped on rank") == 2
+    skipped = run_cli([*blow_up, "trainer.skip_nonfinite=true", f"output_dir={tmp_path / 'b'}"])
+    assert_ok(skipped)
+    train = read_metrics(tmp_path / "b")[0]
+    assert train[-1]["skipped_steps"] >= 1 and train[-1]["skipped_steps"] == sum(
+        1 for r in train if not (abs(r["loss"]) < float("inf") and abs(r["grad_norm"]) < float("inf")))
+
+
+def test_installed_package_runs_from_anywhere(tmp_path):
+    """A non-editable install (the wheel) carries conf/, recipes/ and assets/."""
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheel_dir), str(REPO)], check=True, capture_output=True, timeout=300)
+    wheel = next(wheel_dir.glob("llmtrain-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = cli_env(PYTHONPATH=str(target))
+    result = subprocess.run([sys.executable, "-m", "llmtrain", "recipe=sft_tiny", "dry_run=true"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert_ok(result)
+    assert str(target) in result.stdout or "sft_tiny" in result.stdout
+    assert (target / "llmtrain" / "_recipes" / "sft_7b.yaml").is_file()
+    assert (target / "llmtrain" / "assets" / "tokenizer" / "tokenizer.json").is_file()
