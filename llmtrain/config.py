@@ -88,8 +88,34 @@ class LoggerConfig:
 
 
 @dataclass
+class OffloadConfig:
+    device: str = "none"  # none | cpu | nvme
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+
+
+@dataclass
 class BackendConfig:
-    name: str = "ddp"
+    name: str = "ddp"  # ddp | deepspeed | fsdp2
+    # DeepSpeed (presets deepspeed, zero0..zero3, zero3_offload)
+    zero_stage: int = 0
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    ds_config_overrides: Dict[str, Any] = field(default_factory=dict)
+    # FSDP2 (presets fsdp2, fsdp2_tp): world = dp_replicate × dp_shard × tp; dp_shard -1 = infer
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    compile: bool = False
 
 
 @dataclass
@@ -130,7 +156,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "data.format": ("text", "prompt_response", "alpaca", "messages"),
     "data.overlong": ("truncate", "drop"),
-    "backend.name": ("ddp",),
+    "backend.name": ("ddp", "deepspeed", "fsdp2"),
     "stage.name": ("pretrain", "sft"),
     "peft.name": ("none",),
 }
@@ -171,9 +197,24 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= d.eval_fraction < 1:
         problems.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
-    problems += _batch_problems(t, data_parallel_size=world_size)
+    problems += _batch_problems(t, data_parallel_size=data_parallel_size(cfg.backend, world_size))
     problems += _source_problems(cfg)
+    problems += backend_config_problems(cfg.backend, world_size)
     return problems
+
+
+def data_parallel_size(backend: BackendConfig, world_size: int) -> int:
+    """Ranks that see different data: tensor-parallel peers share theirs."""
+    tp = backend.tp if backend.name == "fsdp2" else 1
+    return max(1, world_size // max(1, tp))
+
+
+def backend_config_problems(backend: BackendConfig, world_size: int) -> list[str]:
+    """The chosen backend's own checks (pure Python, no backend library imported)."""
+    from llmtrain.backends.checks import BACKEND_CONFIG_CHECKS
+
+    check = BACKEND_CONFIG_CHECKS.get(backend.name)
+    return check(backend, world_size) if check else []
 
 
 def _batch_problems(t: TrainerConfig, data_parallel_size: int) -> list[str]:

@@ -71,10 +71,10 @@ def init_distributed(device_preference: str, timeout_s: int) -> DistContext:
     return DistContext(dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size(), device)
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a small tensor over all ranks (in place) and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a small tensor over `group` (default: all ranks), in place, and return it."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values
 
 

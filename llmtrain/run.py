@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.config import ConfigError, validate
+from llmtrain.config import ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.load import build_model, count_parameters, load_tokenizer, model_config
@@ -41,9 +41,10 @@ def check_run_dir(run_dir: Path, resume: str | None) -> None:
 
 def batch_arithmetic(cfg: DictConfig, world: int) -> str:
     t = cfg.trainer
-    rows = t.micro_batch_size * t.grad_accum_steps * world
+    dp = data_parallel_size(cfg.backend, world)
+    rows = t.micro_batch_size * t.grad_accum_steps * dp
     return (f"global batch {rows} rows = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
-            f"{t.grad_accum_steps} × dp {world} (≤ {rows * cfg.data.max_seq_len} tokens at max_seq_len "
+            f"{t.grad_accum_steps} × dp {dp} (≤ {rows * cfg.data.max_seq_len} tokens at max_seq_len "
             f"{cfg.data.max_seq_len})")
 
 
@@ -73,6 +74,19 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
     return "\n".join(lines)
 
 
+def check_backend_against_model(cfg: DictConfig, world: int) -> None:
+    from llmtrain.backends.checks import BACKEND_MODEL_CHECKS
+
+    check = BACKEND_MODEL_CHECKS.get(cfg.backend.name)
+    if check is None:
+        return
+    m = cfg.model
+    problems = check(cfg.backend, world, model_config(m.name_or_path, m.from_config, m.config_path,
+                                                     m.trust_remote_code))
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
 def optimizer_spec(cfg: DictConfig) -> OptimizerSpec:
     o = cfg.optim
     return OptimizerSpec(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
@@ -88,6 +102,7 @@ def run(cfg: DictConfig) -> None:
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
     plan = describe_plan(cfg, world, device, precision)  # also validates model.from_config fields
+    check_backend_against_model(cfg, world)
     if cfg.dry_run:
         print(plan, flush=True)
         return
@@ -124,7 +139,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_yaml)
     settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
-                               global_batch_size=t.micro_batch_size * t.grad_accum_steps * ctx.world_size,
+                               global_batch_size=t.micro_batch_size * t.grad_accum_steps * engine.dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
                                skip_nonfinite=t.skip_nonfinite)
     pad_id = tokenizer.pad_token_id
@@ -133,11 +148,11 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         settings, ctx=ctx, stage=build_stage(cfg.stage.name), engine=engine,
         train_batches=lambda start: train_batches(
             data.train, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
-            dp_rank=ctx.rank, dp_size=ctx.world_size, seed=t.seed, pad_token_id=pad_id,
+            dp_rank=engine.dp_rank, dp_size=engine.dp_size, seed=t.seed, pad_token_id=pad_id,
             num_workers=d.num_workers, start_step=start),
         eval_batches=None if data.eval is None else eval_batches(
-            data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=ctx.rank,
-            dp_size=ctx.world_size, pad_token_id=pad_id),
+            data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=engine.dp_rank,
+            dp_size=engine.dp_size, pad_token_id=pad_id),
         checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
         prepare_batch=batch_preparer(ctx.device, precision, attn))
     if resume_dir is not None:

@@ -81,7 +81,7 @@ class Trainer:
         self.engine.module.train()
         local_targets = sum(int(b.num_target_tokens()) for b in micro_batches)
         global_targets = int(all_reduce_sum(torch.tensor([local_targets], dtype=torch.float64,
-                                                         device=self.ctx.device)).item())
+                                                         device=self.ctx.device), self.engine.dp_group).item())
         inv_targets = 1.0 / max(global_targets, 1)  # zero targets: loss 0, gradient 0, never NaN
         loss_sum = torch.zeros((), device=self.ctx.device)
         for i, batch in enumerate(micro_batches):
@@ -90,7 +90,7 @@ class Trainer:
                     micro_loss_sum = self.stage.micro_batch_loss(self.engine.module, batch)
                 self.engine.backward(micro_loss_sum * inv_targets)
             loss_sum += micro_loss_sum.detach().float()
-        loss = all_reduce_sum(loss_sum).item() * inv_targets
+        loss = all_reduce_sum(loss_sum, self.engine.dp_group).item() * inv_targets
         grad_norm = float(self.engine.clip_grad_norm())
         lr = self.engine.current_lr()
         self.step += 1
@@ -121,7 +121,7 @@ class Trainer:
         for batch in self.eval_batches():
             with self.engine.autocast():
                 sums += self.stage.eval_sums(self.engine.module, self.prepare_batch(batch)).double()
-        loss_sum, targets, correct = all_reduce_sum(sums).tolist()
+        loss_sum, targets, correct = all_reduce_sum(sums, self.engine.dp_group).tolist()
         eval_loss = loss_sum / max(targets, 1)
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
                 "eval_accuracy": correct / max(targets, 1), "eval_tokens": int(targets)}

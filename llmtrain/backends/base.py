@@ -35,6 +35,10 @@ class OptimizerSpec:
 class Engine(Protocol):
     module: torch.nn.Module  # call for forward (may be a wrapper)
     model: torch.nn.Module  # the underlying Hugging Face model
+    dp_rank: int  # this rank's data-parallel coordinate: which examples it reads
+    dp_size: int  # ranks that read different examples (tensor-parallel peers share theirs)
+    dp_group: object  # process group over which loss/token sums are reduced (None: the world)
+    skips_nonfinite_grads: bool  # True when the engine's loss scaler skips overflowed steps itself
 
     def autocast(self) -> AbstractContextManager: ...
     def no_sync(self, is_last_micro_batch: bool) -> AbstractContextManager: ...

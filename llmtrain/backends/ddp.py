@@ -19,6 +19,7 @@ def load_file(path: Path) -> dict:
 class DDPEngine:
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str):
         self.ctx = ctx
+        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None
         self.model = model.to(ctx.device)
         self.optim_spec = optim
         self.compute_dtype = autocast_dtype(precision)
