@@ -15,6 +15,7 @@ from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
+from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.load import build_model, count_parameters, load_tokenizer, model_config
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
@@ -62,13 +63,15 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
         params = count_parameters(AutoModelForCausalLM.from_config(arch))
+    seq_len = cfg.data.max_seq_len
+    flops_per_token = training_flops_per_token(params, arch.num_hidden_layers, arch.hidden_size, seq_len)
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
              f"model {m.name_or_path or arch.model_type}: {params / 1e6:,.1f}M parameters "
              f"(L={arch.num_hidden_layers}, h={arch.hidden_size}, heads={arch.num_attention_heads}, "
              f"vocab={arch.vocab_size})",
-             f"training FLOPs ≈ 6·M = {6 * params / 1e9:,.2f} GFLOP per token",
-             f"model states (fp32 Adam, DDP) ≈ 16·M = {16 * params / 2**30:,.1f} GiB per rank",
+             f"training FLOPs ≈ 6·M + 12·L·h·s = {human(flops_per_token, 'FLOP')} per token at s={seq_len}",
+             f"model states (fp32 Adam, DDP) ≈ 16·M = {human(16 * params, 'B', 1024)} per rank",
              batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}"]
     return "\n".join(lines)
