@@ -86,3 +86,103 @@ def barrier() -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---- FSDP2 / tensor-parallel layout --------------------------------------------------------------
+
+def _degrees(dp_replicate: int, dp_shard: int, tp: int) -> str:
+    return f"backend.dp_replicate={dp_replicate} × backend.dp_shard={dp_shard} × backend.tp={tp}"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world splits: world = dp_replicate × dp_shard × tp (torchtitan's layout, innermost tp).
+
+    dp_replicate: HSDP replica groups (gradients all-reduced between them); dp_shard: ranks that shard
+    parameters, gradients and optimizer state (FSDP); tp: tensor-parallel peers, which read the SAME
+    examples. `dp_shard=-1` takes whatever world size is left. Every error prints every degree.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @staticmethod
+    def problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> list[str]:
+        """Pure arithmetic: what is wrong with these degrees for this world size (empty: fine)."""
+        named = {"backend.dp_replicate": dp_replicate, "backend.tp": tp}
+        bad = [f"{k}={v} must be >= 1" for k, v in named.items() if v < 1]
+        if dp_shard < 1 and dp_shard != -1:
+            bad.append(f"backend.dp_shard={dp_shard} must be >= 1, or -1 to infer it from the world size")
+        if bad:
+            return [f"{b} ({_degrees(dp_replicate, dp_shard, tp)}, world size {world_size})" for b in bad]
+        if dp_shard == -1:
+            if world_size % (dp_replicate * tp):
+                return [f"backend.dp_shard=-1 (infer) needs world size {world_size} divisible by "
+                        f"backend.dp_replicate={dp_replicate} × backend.tp={tp} = {dp_replicate * tp}; "
+                        "change backend.tp / backend.dp_replicate or the number of processes"]
+            return []
+        product = dp_replicate * dp_shard * tp
+        if product != world_size:
+            return [f"{_degrees(dp_replicate, dp_shard, tp)} = {product} but the world size is {world_size} "
+                    "(nnodes × nproc_per_node); set backend.dp_shard=-1 to infer it or change the degrees"]
+        return []
+
+    @classmethod
+    def build(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> "ParallelDims":
+        from llmtrain.config import ConfigError
+
+        problems = cls.problems(dp_replicate, dp_shard, tp, world_size)
+        if problems:
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        if dp_shard == -1:
+            dp_shard = world_size // (dp_replicate * tp)
+        return cls(dp_replicate, dp_shard, tp, world_size)
+
+    def model_problems(self, *, model_type: str, num_heads: int, num_kv_heads: int,
+                       intermediate_size: int | None) -> list[str]:
+        """Tensor parallelism splits attention heads, kv-heads and MLP columns evenly across tp ranks."""
+        sizes = {"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+                 "intermediate_size": intermediate_size}
+        return [f"backend.tp={self.tp} must divide the model's {name}={value} ({model_type}; "
+                f"{_degrees(self.dp_replicate, self.dp_shard, self.tp)}, world size {self.world_size}); "
+                f"pick a tp among {_divisors_of_all([v for v in sizes.values() if v])}"
+                for name, value in sizes.items() if value and value % self.tp]
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_dim_names(self) -> tuple[str, ...]:
+        """The mesh dims fully_shard gets: ("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP."""
+        return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
+
+    def build_mesh(self, device_type: str):
+        """Named DeviceMesh, tp innermost (adjacent ranks: on a node, TP traffic stays on NVLink).
+
+        dp_shard is always a dim (size 1 is fine: fully_shard then only keeps its DTensor bookkeeping);
+        dp_replicate and tp only when > 1. Flattened views: "dp" (ranks that read different data:
+        the data sampler's coordinates and the loss reduction) and, with tp, "dp_shard_tp" so a norm
+        that is partial over both dims is one all-reduce instead of two.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = (*self.dp_dim_names, *(("tp",) if self.tp > 1 else ()))
+        shape = tuple({"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}[n]
+                      for n in names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.dp_replicate > 1:
+            mesh[self.dp_dim_names]._flatten("dp")
+        if self.tp > 1:
+            mesh[("dp_shard", "tp")]._flatten("dp_shard_tp")
+        return mesh
+
+    def __str__(self) -> str:
+        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} × "
+                f"tp {self.tp} (data parallel {self.dp_size})")
+
+
+def _divisors_of_all(values: list[int]) -> list[int]:
+    return [d for d in range(1, min(values) + 1) if all(v % d == 0 for v in values)]

@@ -136,7 +136,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
                         tokenizer=tokenizer, attn_implementation=_attn(m.attn_implementation, ctx.device),
                         dropout=m.dropout, activation_checkpointing=m.activation_checkpointing,
                         trust_remote_code=m.trust_remote_code)
-    engine = build_backend(cfg.backend.name, ctx, precision).wrap(model, optimizer_spec(cfg))
+    engine = build_backend(cfg.backend.name, ctx, precision, OmegaConf.to_container(cfg.backend, resolve=True)
+                           ).wrap(model, optimizer_spec(cfg))
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,11 @@ import importlib
 
 from llmtrain.parallel import DistContext
 
-BACKENDS = {"ddp": ("llmtrain.backends.ddp", "DDPBackend")}
+BACKENDS = {"ddp": ("llmtrain.backends.ddp", "DDPBackend"),
+            "fsdp2": ("llmtrain.backends.fsdp2", "FSDP2Backend")}
 
 
-def build_backend(name: str, ctx: DistContext, precision: str):
+def build_backend(name: str, ctx: DistContext, precision: str, options: dict | None = None):
+    """`options`: the backend config as a plain dict (cfg.backend); a backend reads the fields it owns."""
     module_name, class_name = BACKENDS[name]
-    return getattr(importlib.import_module(module_name), class_name)(ctx, precision)
+    return getattr(importlib.import_module(module_name), class_name)(ctx, precision, options or {})

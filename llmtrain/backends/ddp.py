@@ -102,8 +102,8 @@ class DDPEngine:
 
 
 class DDPBackend:
-    def __init__(self, ctx: DistContext, precision: str):
-        self.ctx, self.precision = ctx, precision
+    def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
+        self.ctx, self.precision = ctx, precision  # options: DDP has none
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DDPEngine:
         return DDPEngine(model, optim, self.ctx, self.precision)

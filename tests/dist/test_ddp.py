@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import assert_ok, read_metrics, run_cli
+from tests.conftest import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -17,6 +17,7 @@ def base_args(model_dir, out_dir, *extra):
     return ["recipe=sft_tiny", f"model.name_or_path={model_dir}", "model.from_config=null", "model.tokenizer=null",
             f"output_dir={out_dir}", "trainer.eval_every_n_steps=0", "data.eval_files=[]",
             "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2", *extra]
+# later overrides of the same key win (Hydra applies them in order)
 
 
 def assert_close_series(ours, reference, key, first_rel, rel):
@@ -28,7 +29,10 @@ def assert_close_series(ours, reference, key, first_rel, rel):
 
 def test_ddp_two_ranks_match_one_process(tiny_model_dir, tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    common = ["trainer.max_steps=10", "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=0"]
+    eval_file = tmp_path / "eval.jsonl"  # 9 samples: not divisible by 2 ranks or by the eval batch of 4
+    eval_file.write_text("".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
+    common = ["trainer.max_steps=10", "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=0",
+              f"data.eval_files=[{eval_file}]", "trainer.eval_every_n_steps=5", "trainer.eval_batch_size=4"]
     assert_ok(run_cli(base_args(tiny_model_dir, single, *common, "trainer.micro_batch_size=8")))
     assert_ok(run_cli(base_args(tiny_model_dir, ddp, *common, "trainer.micro_batch_size=4",
                                 "trainer.global_batch_size=16"), nproc=2))
@@ -37,6 +41,11 @@ def test_ddp_two_ranks_match_one_process(tiny_model_dir, tmp_path):
     assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-5)
     assert reference[-1]["loss"] < reference[0]["loss"]
+    # every held-out sample counted exactly once across ranks: same tokens, same loss
+    eval_reference, eval_ours = read_metrics(single)[1], read_metrics(ddp)[1]
+    assert [e["step"] for e in eval_ours] == [0, 5, 10]
+    assert [e["eval_tokens"] for e in eval_ours] == [e["eval_tokens"] for e in eval_reference]
+    assert_close_series(eval_ours, eval_reference, "eval_loss", 1e-6, 1e-5)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

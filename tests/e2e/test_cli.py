@@ -68,6 +68,7 @@ def test_config_yaml_has_run_metadata(wandb_run):
     assert saved["trainer"]["max_steps"] == 4
     meta = saved["run_metadata"]
     assert meta["world_size"] == 1 and meta["backend"] == "ddp" and meta["versions"]["torch"] == torch.__version__
+    assert meta["precision"] == "fp32" and meta["device"] == "cpu"  # precision=auto on a CPU
 
 
 def test_hf_export_reloads_with_identical_logits(wandb_run):
@@ -83,6 +84,18 @@ def test_hf_export_reloads_with_identical_logits(wandb_run):
         assert torch.equal(exported(ids).logits, trained(ids).logits)
     initial = AutoModelForCausalLM.from_config(exported.config)
     assert not torch.equal(initial.lm_head.weight, exported.lm_head.weight)
+
+
+def test_fp16_with_loss_scaler_tracks_fp32(wandb_run, tmp_path):
+    """precision=fp16: autocast + dynamic loss scaling; the scaler's state is checkpointed."""
+    result = run_cli([*TINY, "trainer.max_steps=2", "trainer.eval_every_n_steps=0", "precision=fp16",
+                      f"output_dir={tmp_path}"])
+    assert_ok(result)
+    fp16, fp32 = read_metrics(tmp_path)[0], read_metrics(wandb_run)[0][:2]
+    for a, b in zip(fp16, fp32):
+        assert a["loss"] != b["loss"] and abs(a["loss"] - b["loss"]) < 1e-2 * b["loss"]
+    scaler = torch.load(tmp_path / "checkpoints" / "step_2" / "engine" / "scaler.pt", weights_only=True)
+    assert scaler["scale"] > 1.0
 
 
 def tree_digest(directory: Path) -> str:

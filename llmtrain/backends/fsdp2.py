@@ -1,0 +1,265 @@
+"""FSDP2 (`fully_shard`) on a named DeviceMesh, with optional tensor parallelism: dp × tp, and HSDP.
+
+`parallelize()` applies, in this order (torchtitan's):
+  1. apply_tp      — transformers' TP plan on the "tp" mesh: q/k/v/gate/up colwise, o/down rowwise.
+                     TP comes first because it replaces Linear weights by DTensors; FSDP then shards
+                     those DTensors once more along dim 0 on the dp mesh (2-D (dp, tp) DTensors). The
+                     other way round FSDP would gather full weights that TP then slices again.
+  2. apply_ac      — activation checkpointing must wrap a block's forward *inside* FSDP's hooks, so
+                     the recompute in backward does not all-gather again; transformers' checkpointing
+                     (model.activation_checkpointing, set by the loader) wraps `forward`, which is
+                     exactly that, so nothing is added here.
+  3. apply_compile — per block, before FSDP: graph breaks stay at block boundaries and FSDP's hooks
+                     run eagerly around each compiled block (`Module.compile` keeps parameter names).
+  4. apply_fsdp    — blocks first, then the root: each call groups the parameters not yet claimed,
+                     so one all-gather per block, and the root's group holds embeddings, final norm and
+                     LM head. The root is not resharded after forward: backward needs it first.
+
+Loss scaling: FSDP2 *averages* gradients over the dp ranks (reduce-scatter over dp_shard, all-reduce
+over dp_replicate); the trainer's loss is this rank's share of the global token-weighted mean, so
+`backward` multiplies by dp_size, as DDP multiplies by its world size. TP peers see the same examples
+and TP's own collectives are exact sums, so tp does not enter the scale. The grad-norm parity test
+catches any sum-vs-average error (upstream reported FSDP2 on gloo summing in some versions; in torch
+2.13 it averages, which that test checks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
+    set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups
+from llmtrain.models.tp import apply_tp_plan
+from llmtrain.parallel import DistContext, ParallelDims
+
+# Optimizer state keyed by parameter name, one entry per parameter: a checkpoint loads into any
+# mesh and any grouping of parameters (resharding dp=2 -> dp=2 × tp=2 changes both).
+DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# ---- parallelize: the fixed order ---------------------------------------------------------------
+
+def apply_tp(model: torch.nn.Module, dims: ParallelDims, mesh) -> None:
+    if dims.tp > 1:
+        apply_tp_plan(model, mesh["tp"], model.config)
+
+
+def apply_ac(model: torch.nn.Module) -> None:
+    """Already in place when model.activation_checkpointing=true (see the module docstring)."""
+
+
+def apply_compile(blocks: list[torch.nn.Module]) -> None:
+    for block in blocks:
+        block.compile(fullgraph=False)
+
+
+def apply_fsdp(model: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh, *, reshard_after_forward: bool,
+               mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy,
+                offload_policy=offload_policy)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder layers (`base_model.layers` for Llama/Qwen2/Mistral, `.h` for GPT-2)."""
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        if isinstance(getattr(base, name, None), torch.nn.ModuleList):
+            return list(getattr(base, name))
+    raise ValueError(f"{type(model).__name__}: no decoder layer list (base_model.layers / .h) to shard per block")
+
+
+def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh, *, reshard_after_forward: bool,
+                mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, compile: bool) -> None:
+    blocks = decoder_blocks(model)
+    apply_tp(model, dims, mesh)
+    apply_ac(model)
+    if compile:
+        apply_compile(blocks)
+    apply_fsdp(model, blocks, mesh[dims.dp_dim_names], reshard_after_forward=reshard_after_forward,
+               mp_policy=mp_policy, offload_policy=offload_policy)
+
+
+# ---- DTensor-aware gradient norm ----------------------------------------------------------------
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict:
+    """With TP, Linear weights live on the (dp, tp) mesh and the rest on the dp mesh; DTensor ops
+    (foreach norm, foreach mul, fused Adam) refuse to mix meshes, so each mesh is handled apart."""
+    groups = defaultdict(list)
+    for t in tensors:
+        groups[t.device_mesh if isinstance(t, DTensor) else None].append(t)
+    return groups
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of the full (unsharded) gradient: per mesh a DTensor norm made whole with
+    full_tensor() (an all-reduce of squared partial norms), then combined; the same value on every rank."""
+    norms = []
+    for group in _by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def split_groups_by_mesh(groups: list[dict]) -> list[dict]:
+    """AdamW groups (decay / no decay) split further so no group mixes DTensor meshes."""
+    return [{**group, "params": params} for group in groups
+            for params in _by_mesh(group["params"]).values()]
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+class FSDP2Engine:
+    def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
+                 dims: ParallelDims, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
+                 compile: bool = False):
+        self.ctx, self.dims, self.optim_spec = ctx, dims, optim
+        self.mesh = dims.build_mesh(ctx.device.type)
+        data_mesh = self.mesh["dp"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
+        self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
+        # GPU + bf16: FSDP keeps fp32 shards (the optimizer's master weights), all-gathers bf16 copies
+        # for compute and reduces gradients in fp32. Elsewhere (CPU, fp16) plain autocast, as in DDP.
+        self.mixed_precision = ctx.device.type == "cuda" and precision == "bf16"
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.mixed_precision else MixedPrecisionPolicy()
+        self.compute_dtype = None if self.mixed_precision else autocast_dtype(precision)
+        if optim is None:
+            model.requires_grad_(False).eval()
+        parallelize(model, dims, self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(), compile=compile)
+        self.model = self.module = model
+        self.optimizer = self.scheduler = None
+        if optim is not None:
+            groups = split_groups_by_mesh(param_groups(model, optim.weight_decay))
+            fused = ctx.device.type == "cuda" and not cpu_offload
+            self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                               fused=fused or None)
+            self.scheduler = build_scheduler(self.optimizer, optim)
+        if precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # all-reduces found_inf
+            self.scaler = ShardedGradScaler(ctx.device.type, enabled=True)
+        else:
+            self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)
+
+    @property
+    def skips_nonfinite_grads(self) -> bool:
+        return self.scaler.is_enabled()
+
+    def autocast(self):
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def no_sync(self, is_last_micro_batch: bool):
+        """Accumulate unsharded gradients locally on all but the last micro-batch (no reduce-scatter),
+        and keep the parameters gathered after those backwards (no re-all-gather in the next forward)."""
+        if self.optimizer is not None:
+            self.model.set_requires_gradient_sync(is_last_micro_batch)
+            self.model.set_reshard_after_backward(is_last_micro_batch)
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss * self.dp_size).backward()  # FSDP averages over dp: undo it (docstring)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Global gradient norm before clipping (clips in place when optim.max_grad_norm > 0)."""
+        self.scaler.unscale_(self.optimizer)
+        norm = total_grad_norm(self._grads())
+        max_norm = self.optim_spec.max_grad_norm
+        if max_norm > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            for group in _by_mesh(params).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        return norm
+
+    def step(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        self.scheduler.step()
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+        def local(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        optim_bytes = 0
+        if self.optimizer is not None:
+            optim_bytes = sum(local(v) for state in self.optimizer.state.values() for v in state.values()
+                              if isinstance(v, torch.Tensor) and v.ndim > 0)  # skip the scalar step counts
+        return {"params": sum(local(p) for p in params),
+                "grads": sum(local(p.grad) for p in params if p.grad is not None), "optimizer": optim_bytes}
+
+    # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------
+    def save_checkpoint(self, directory: Path) -> None:
+        """Sharded model + optimizer (DCP, loads into any mesh) and, from rank 0, scheduler/scaler."""
+        directory.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=DCP_OPTIONS)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory / "dcp")
+        if self.ctx.is_main:
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+            if self.scaler.is_enabled():
+                torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        if not (directory / "dcp").is_dir():
+            raise FileNotFoundError(f"{directory} holds no FSDP2 checkpoint (dcp/): it was saved by another "
+                                    "backend; resume with that backend or start from its Hugging Face export")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=DCP_OPTIONS)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=directory / "dcp")  # in place, resharded to this mesh
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=DCP_OPTIONS)
+        scheduler = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
+        # The lr lambda is the same for every group, but the number of groups follows the mesh.
+        groups = len(self.optimizer.param_groups)
+        scheduler["base_lrs"] = [scheduler["base_lrs"][0]] * groups
+        scheduler["_last_lr"] = [scheduler["_last_lr"][0]] * groups
+        self.scheduler.load_state_dict(scheduler)
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(torch.load(directory / "scaler.pt", map_location="cpu", weights_only=True))
+
+    def export_hf(self, directory: Path) -> None:
+        """A consolidated Hugging Face folder: full tensors gathered to rank 0 (on the CPU), saved there."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)  # a collective: every rank calls it
+        if self.ctx.is_main:
+            # transformers strips the "FSDP" class prefix from config.architectures itself
+            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+
+
+class FSDP2Backend:
+    def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
+        options = options or {}
+        self.ctx, self.precision = ctx, precision
+        self.dims = ParallelDims.build(options.get("dp_replicate", 1), options.get("dp_shard", -1),
+                                       options.get("tp", 1), ctx.world_size)
+        self.settings = {k: options[k] for k in ("reshard_after_forward", "cpu_offload", "compile") if k in options}
+
+    def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
+        return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, **self.settings)
