@@ -6,18 +6,7 @@
 # The --local_rank=N argument the launcher appends is dropped by llmtrain's entry point.
 set -euo pipefail
 
-gpu_count() {
-  local n=0
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    n=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l) || n=0
-  fi
-  echo "$n"
-}
-
-if [[ -z "${NPROC:-}" ]]; then
-  NPROC=$(gpu_count)
-  if [[ "$NPROC" -eq 0 ]]; then NPROC=2; fi
-fi
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+NPROC_SOURCE=nvidia_smi_only
+source "$(dirname "${BASH_SOURCE[0]}")/_nproc.sh"
 
 exec deepspeed --num_gpus "$NPROC" --module llmtrain "$@"

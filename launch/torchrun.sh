@@ -6,21 +6,6 @@
 # Run from the repo root or with llmtrain installed, so that `-m llmtrain` imports.
 set -euo pipefail
 
-gpu_count() {
-  local n=0
-  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
-    # nvidia-smi lists every GPU on the node, not only the ones this job may use.
-    n=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .) || n=0
-  elif command -v nvidia-smi >/dev/null 2>&1; then
-    n=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l) || n=0
-  fi
-  echo "$n"
-}
-
-if [[ -z "${NPROC:-}" ]]; then
-  NPROC=$(gpu_count)
-  if [[ "$NPROC" -eq 0 ]]; then NPROC=2; fi
-fi
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+source "$(dirname "${BASH_SOURCE[0]}")/_nproc.sh"
 
 exec torchrun --standalone --nproc_per_node "$NPROC" -m llmtrain "$@"

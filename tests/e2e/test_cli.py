@@ -189,3 +189,16 @@ def test_installed_package_runs_from_anywhere(tmp_path):
     assert str(target) in result.stdout or "sft_tiny" in result.stdout
     assert (target / "llmtrain" / "_recipes" / "sft_7b.yaml").is_file()
     assert (target / "llmtrain" / "assets" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_launch_torchrun_script_starts_two_ranks(tmp_path):
+    import os
+
+    import yaml
+
+    env = cli_env(NPROC="2", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), *TINY, "trainer.max_steps=2",
+                             f"output_dir={tmp_path}"], env=env, capture_output=True, text=True, timeout=300)
+    assert_ok(result)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["run_metadata"]["world_size"] == 2
+    assert [r["step"] for r in read_metrics(tmp_path)[0]] == [1, 2]
