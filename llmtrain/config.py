@@ -108,7 +108,10 @@ class BackendConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
-    ds_config_overrides: Dict[str, Any] = field(default_factory=dict)
+    # {DeepSpeed key: value} for keys we do not model, deep-merged last. Typed Any, default null: then
+    # `backend.ds_config_overrides={...}` assigns the dict (a Dict field would refuse every new key in
+    # struct mode); the deepspeed check rejects anything but a mapping.
+    ds_config_overrides: Any = None
     # FSDP2 (presets fsdp2, fsdp2_tp): world = dp_replicate × dp_shard × tp; dp_shard -1 = infer
     dp_replicate: int = 1
     dp_shard: int = -1

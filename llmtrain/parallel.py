@@ -125,7 +125,7 @@ class ParallelDims:
             return []
         product = dp_replicate * dp_shard * tp
         if product != world_size:
-            return [f"{_degrees(dp_replicate, dp_shard, tp)} = {product} but the world size is {world_size} "
+            return [f"{_degrees(dp_replicate, dp_shard, tp)} = {product}, not the world size {world_size} "
                     "(nnodes × nproc_per_node); set backend.dp_shard=-1 to infer it or change the degrees"]
         return []
 

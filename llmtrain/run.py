@@ -16,8 +16,10 @@ from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.flops import human, training_flops_per_token
+from llmtrain.metrics.memory import planned_model_state_bytes
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
-from llmtrain.models.load import build_model, count_parameters, load_tokenizer, model_config
+from llmtrain.models.load import (build_model, count_parameters, load_tokenizer, model_config,
+                                  resolve_attn_implementation)
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages import build_stage
@@ -64,6 +66,10 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
         from transformers import AutoModelForCausalLM
         params = count_parameters(AutoModelForCausalLM.from_config(arch))
     seq_len = cfg.data.max_seq_len
+    dp = data_parallel_size(cfg.backend, world)
+    stage = {"ddp": 0, "fsdp2": 3}.get(cfg.backend.name, cfg.backend.zero_stage)
+    state_bytes = planned_model_state_bytes(num_params=params, stage=stage, dp=dp,
+                                            mixed_precision=precision in ("bf16", "fp16"))
     flops_per_token = training_flops_per_token(params, arch.num_hidden_layers, arch.hidden_size, seq_len)
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
@@ -71,7 +77,8 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
              f"(L={arch.num_hidden_layers}, h={arch.hidden_size}, heads={arch.num_attention_heads}, "
              f"vocab={arch.vocab_size})",
              f"training FLOPs ≈ 6·M + 12·L·h·s = {human(flops_per_token, 'FLOP')} per token at s={seq_len}",
-             f"model states (fp32 Adam, DDP) ≈ 16·M = {human(16 * params, 'B', 1024)} per rank",
+             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}) ≈ "
+             f"{human(state_bytes, 'B', 1024)} per rank (activations not included)",
              batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}"]
     return "\n".join(lines)
@@ -95,6 +102,15 @@ def optimizer_spec(cfg: DictConfig) -> OptimizerSpec:
     return OptimizerSpec(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                          warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
                          max_grad_norm=o.max_grad_norm, max_steps=cfg.trainer.max_steps)
+
+
+def backend_options(cfg: DictConfig, run_dir: Path) -> dict:
+    """cfg.backend as a plain dict, plus `run`: the values a backend may need from outside its group
+    (DeepSpeed writes the batch triple into its own config, and that config into the run dir)."""
+    options = OmegaConf.to_container(cfg.backend, resolve=True)
+    options["run"] = {"micro_batch_size": cfg.trainer.micro_batch_size,
+                      "grad_accum_steps": cfg.trainer.grad_accum_steps, "output_dir": str(run_dir)}
+    return options
 
 
 def run(cfg: DictConfig) -> None:
@@ -131,13 +147,16 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         log.info("train data: %s", data.train_stats.summary())
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
+    backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
     torch.manual_seed(t.seed)  # identical random init on every rank
-    model = build_model(name_or_path=m.name_or_path, from_config=m.from_config, config_path=m.config_path,
-                        tokenizer=tokenizer, attn_implementation=_attn(m.attn_implementation, ctx.device),
-                        dropout=m.dropout, activation_checkpointing=m.activation_checkpointing,
-                        trust_remote_code=m.trust_remote_code)
-    engine = build_backend(cfg.backend.name, ctx, precision, OmegaConf.to_container(cfg.backend, resolve=True)
-                           ).wrap(model, optimizer_spec(cfg))
+    # DeepSpeed ZeRO-3: built under zero.Init, no rank holds the whole model (the hook is optional).
+    with backend.model_init_context():
+        model = build_model(name_or_path=m.name_or_path, from_config=m.from_config, config_path=m.config_path,
+                            tokenizer=tokenizer,
+                            attn_implementation=resolve_attn_implementation(m.attn_implementation, ctx.device),
+                            dropout=m.dropout, activation_checkpointing=m.activation_checkpointing,
+                            trust_remote_code=m.trust_remote_code)
+    engine = backend.wrap(model, optimizer_spec(cfg))
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -185,11 +204,6 @@ def batch_preparer(device: torch.device, precision: str, attn_implementation: st
         return batch.with_mask_dtype(mask_dtype)
 
     return prepare
-
-
-def _attn(requested: str, device: torch.device) -> str:
-    from llmtrain.models.load import resolve_attn_implementation
-    return resolve_attn_implementation(requested, device)
 
 
 def _config_yaml(cfg: DictConfig, ctx: DistContext, precision: str) -> str:

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from llmtrain.metrics.memory import gather_per_rank
 from llmtrain.parallel import DistContext, all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,14 @@ class Trainer:
         batches = self.train_batches(self.step)
         if self.step == 0 and self.eval_batches is not None and self.s.eval_every_n_steps > 0:
             self._emit(self.evaluate())
+        memory_pending = hasattr(self.engine, "model_state_bytes")  # logged once the optimizer state exists
         while self.step < self.s.max_steps:
             micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
             record = self.train_step(micro_batches)
+            if memory_pending and self.engine.model_state_bytes() is not None:  # same on every rank
+                record.update(gather_per_rank(self.engine.model_state_bytes(), self.ctx.world_size, self.ctx.rank,
+                                              self.ctx.device))
+                memory_pending = False
             self._emit(record)
             last = self.step == self.s.max_steps
             if self.eval_batches is not None and (last or _due(self.step, self.s.eval_every_n_steps)):
@@ -91,8 +97,8 @@ class Trainer:
                 self.engine.backward(micro_loss_sum * inv_targets)
             loss_sum += micro_loss_sum.detach().float()
         loss = all_reduce_sum(loss_sum, self.engine.dp_group).item() * inv_targets
+        lr = self.engine.current_lr()  # this step's lr: read before clip_grad_norm (DeepSpeed updates there)
         grad_norm = float(self.engine.clip_grad_norm())
-        lr = self.engine.current_lr()
         self.step += 1
         if math.isfinite(loss) and (math.isfinite(grad_norm) or self.engine.skips_nonfinite_grads):
             self.engine.step()

@@ -7,7 +7,8 @@ import importlib
 from llmtrain.parallel import DistContext
 
 BACKENDS = {"ddp": ("llmtrain.backends.ddp", "DDPBackend"),
-            "fsdp2": ("llmtrain.backends.fsdp2", "FSDP2Backend")}
+            "fsdp2": ("llmtrain.backends.fsdp2", "FSDP2Backend"),
+            "deepspeed": ("llmtrain.backends.deepspeed", "DeepSpeedBackend")}
 
 
 def build_backend(name: str, ctx: DistContext, precision: str, options: dict | None = None):

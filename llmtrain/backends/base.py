@@ -43,6 +43,9 @@ class Engine(Protocol):
     def autocast(self) -> AbstractContextManager: ...
     def no_sync(self, is_last_micro_batch: bool) -> AbstractContextManager: ...
     def backward(self, loss: torch.Tensor) -> None: ...
+    # Global gradient norm before clipping. An engine whose library fuses norm, clip and update in one
+    # call (DeepSpeed) applies the update here, never with non-finite gradients; its step()/skip_step()
+    # then only keep the lr schedule on the step count. The trainer reads current_lr() before this call.
     def clip_grad_norm(self) -> torch.Tensor: ...
     def step(self) -> None: ...
     def skip_step(self) -> None: ...
@@ -53,6 +56,9 @@ class Engine(Protocol):
 
 
 class Backend(Protocol):
+    # Entered around model construction: DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init
+    # so no rank ever holds the whole model; the others need nothing (nullcontext).
+    def model_init_context(self) -> AbstractContextManager: ...
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> Engine: ...
 
 
@@ -72,7 +78,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the data is a 1-D shard, ds_shape the full
+            (decay if len(shape) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

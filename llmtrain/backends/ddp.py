@@ -105,5 +105,8 @@ class DDPBackend:
     def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
         self.ctx, self.precision = ctx, precision  # options: DDP has none
 
+    def model_init_context(self):
+        return contextlib.nullcontext()
+
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DDPEngine:
         return DDPEngine(model, optim, self.ctx, self.precision)

@@ -26,6 +26,7 @@ catches any sum-vs-average error (upstream reported FSDP2 on gloo summing in som
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from torch.distributed.tensor import DTensor
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims
+
+log = logging.getLogger(__name__)
 
 # Optimizer state keyed by parameter name, one entry per parameter: a checkpoint loads into any
 # mesh and any grouping of parameters (resharding dp=2 -> dp=2 × tp=2 changes both).
@@ -133,6 +136,10 @@ class FSDP2Engine:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.mixed_precision else MixedPrecisionPolicy()
         self.compute_dtype = None if self.mixed_precision else autocast_dtype(precision)
+        if cpu_offload and ctx.device.type != "cuda":
+            log.warning("backend.cpu_offload=true does nothing on %s: the shards are in host memory already",
+                        ctx.device.type)
+            cpu_offload = False  # CPUOffloadPolicy pins memory, which needs an accelerator
         if optim is None:
             model.requires_grad_(False).eval()
         parallelize(model, dims, self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
@@ -219,9 +226,9 @@ class FSDP2Engine:
     def save_checkpoint(self, directory: Path) -> None:
         """Sharded model + optimizer (DCP, loads into any mesh) and, from rank 0, scheduler/scaler."""
         directory.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=DCP_OPTIONS)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer or (), options=DCP_OPTIONS)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory / "dcp")
-        if self.ctx.is_main:
+        if self.ctx.is_main and self.scheduler is not None:
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
             if self.scaler.is_enabled():
                 torch.save(self.scaler.state_dict(), directory / "scaler.pt")
@@ -247,7 +254,15 @@ class FSDP2Engine:
     def export_hf(self, directory: Path) -> None:
         """A consolidated Hugging Face folder: full tensors gathered to rank 0 (on the CPU), saved there."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)  # a collective: every rank calls it
+        # (dp, tp) weights gather in two all-gathers; DTensor warns about it once per rank, but gathers
+        # are exact copies (no reduction order), and this runs once per export.
+        redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = redistribute_log.level
+        redistribute_log.setLevel(logging.ERROR)
+        try:
+            state = get_model_state_dict(self.model, options=options)  # a collective: every rank calls it
+        finally:
+            redistribute_log.setLevel(level)
         if self.ctx.is_main:
             # transformers strips the "FSDP" class prefix from config.architectures itself
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
@@ -260,6 +275,11 @@ class FSDP2Backend:
         self.dims = ParallelDims.build(options.get("dp_replicate", 1), options.get("dp_shard", -1),
                                        options.get("tp", 1), ctx.world_size)
         self.settings = {k: options[k] for k in ("reshard_after_forward", "cpu_offload", "compile") if k in options}
+
+    def model_init_context(self):
+        """Every rank builds the whole fp32 model on the CPU; fully_shard then keeps its shards only
+        (meta-device init + sharded load would avoid the full copy per rank: not done yet)."""
+        return contextlib.nullcontext()
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
         return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, **self.settings)

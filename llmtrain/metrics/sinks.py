@@ -69,6 +69,8 @@ class ConsoleSink:
 def _format(record: dict[str, Any]) -> str:
     parts = []
     for key, value in record.items():
+        if key.startswith("memory_"):  # per-rank byte ledgers: in metrics.jsonl, too long for a console line
+            continue
         if isinstance(value, float):
             value = f"{value:.4g}" if math.isfinite(value) else str(value)
         parts.append(f"{key}={value}")

@@ -9,9 +9,9 @@ from llmtrain.config import ConfigError, validate
 from llmtrain.models.load import model_config
 
 
-def compose_ok(*overrides: str):
+def compose_ok(*overrides: str, world_size: int = 1):
     cfg = compose_config(list(overrides))
-    validate(cfg, world_size=1)
+    validate(cfg, world_size=world_size)
     return cfg
 
 
@@ -35,7 +35,8 @@ def test_every_group_option_composes(group, option):
     extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"]},
              "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"]}}
     overrides = [o for o in extra.get(group, {}).get(option, []) if not o.startswith("override")]
-    cfg = compose_ok("recipe=pretrain_tiny", f"{group}={option}", *overrides)
+    world_size = {("backend", "fsdp2_tp"): 2}.get((group, option), 1)  # tp=2 needs two ranks
+    cfg = compose_ok("recipe=pretrain_tiny", f"{group}={option}", *overrides, world_size=world_size)
     assert cfg is not None
 
 

@@ -1,0 +1,411 @@
+"""DeepSpeed ZeRO-0/1/2/3 with optimizer/parameter offload: the only module that imports deepspeed.
+
+How the trainer's contract maps onto DeepSpeed:
+- the config comes from `deepspeed_config.build_ds_config` (one source of truth; written to
+  `${output_dir}/deepspeed_config.json`); our AdamW groups and LambdaLR go in as client optimizer and
+  scheduler, so the lr of every step is DDP's;
+- `no_sync(last)` sets DeepSpeed's accumulation boundary, so one `step()` per optimizer step suffices;
+- loss scaling: the trainer's loss is already this rank's share of the global token-weighted mean.
+  DeepSpeed would divide it by gradient_accumulation_steps (we pass `scale_wrt_gas=False`) and averages
+  gradients over the dp ranks (we multiply by dp size): what reaches the optimizer is the gradient of the
+  global mean, exactly as under DDP (the grad-norm parity test proves it);
+- DeepSpeed computes the gradient norm, clips and updates in one call, so `clip_grad_norm()` runs
+  DeepSpeed's boundary step and returns its norm; DeepSpeed refuses an update with non-finite gradients
+  itself (its overflow check), and `step()`/`skip_step()` only keep the schedule on the step count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from llmtrain.backends.base import OptimizerSpec, build_adamw, build_scheduler, param_groups
+from llmtrain.backends.deepspeed_config import DeepSpeedSettings, build_ds_config
+from llmtrain.config import ConfigError
+from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
+from llmtrain.parallel import DistContext, barrier
+
+log = logging.getLogger(__name__)
+
+TAG = "ds"  # DeepSpeed's checkpoint tag inside our step folder: checkpoints/step_N/engine/ds/
+META = "llmtrain_meta.json"  # stage and dp size a checkpoint was saved with (for resharding)
+
+# What each tensor-holding attribute of DeepSpeed's ZeRO optimizers (0.19) is. Claimed in this order,
+# each storage once; anything left over is measured as "other" under its attribute name.
+DS_ROLES = (
+    ("params", ("bit16_groups_flat", "bit16_groups", "parallel_partitioned_bit16_groups", "fp16_groups",
+                "fp16_partitioned_groups_flat", "fp16_partitioned_groups", "persistent_parameters",
+                "lp_param_buffer", "param_groups_fp16_flat_cpu_memory")),
+    ("master", ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")),
+    ("grads", ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer", "offload_gradient_dict",
+               "all_grad_tensors")),
+    ("buffers", ("ipg_buckets", "ipg_buffer", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
+                 "param_buffer_of_bit16_for_cpu_offload_groups", "norm_for_param_grads", "_global_grad_norm",
+                 "inf_or_nan_tracker", "grad_position", "small_grad_partitions")),
+)
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as error:  # pragma: no cover
+        raise ConfigError("backend.name=deepspeed needs DeepSpeed: pip install 'llmtrain[deepspeed]'") from error
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO dump of every config key
+    return deepspeed
+
+
+def check_ops(settings: DeepSpeedSettings) -> None:
+    """NVMe offload needs DeepSpeed's async_io op (libaio): fail before the model loads if it cannot build."""
+    if "nvme" not in (settings.offload_optimizer.device, settings.offload_param.device):
+        return
+    _import_deepspeed()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    reason = None
+    if not builder.is_compatible(verbose=False):
+        reason = "libaio was not found (Debian/Ubuntu: apt-get install libaio-dev)"
+    else:
+        try:
+            builder.load(verbose=False)
+        except Exception as error:  # noqa: BLE001 - any build failure is reported as such
+            reason = f"building it failed: {error}"
+    if reason:
+        raise ConfigError(f"backend.offload_*.device=nvme needs DeepSpeed's async_io op, which cannot build here: "
+                          f"{reason}. Install libaio-dev, or use device=cpu")
+
+
+def build_offload_adam(model: torch.nn.Module, spec: OptimizerSpec):
+    """(optimizer, note): DeepSpeedCPUAdam over our AdamW groups, or torch AdamW when its op cannot build."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas,
+                                     eps=spec.eps, adamw_mode=True, bias_correction=True)
+        return optimizer, "DeepSpeedCPUAdam"
+    except Exception as error:  # noqa: BLE001 - the op build can fail in many ways (no compiler, no headers)
+        log.warning("optimizer offload: DeepSpeed's cpu_adam op cannot build here (%s); FALLBACK: torch.optim.AdamW "
+                    "runs on the host instead (same maths, slower); zero_force_ds_cpu_optimizer=false", error)
+        return build_adamw(model, spec), "torch.optim.AdamW (fallback: cpu_adam op did not build)"
+
+
+class DeepSpeedEngine:
+    def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
+                 settings: DeepSpeedSettings, ds_config: dict):
+        deepspeed = _import_deepspeed()
+        self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
+        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None
+        self.stage = settings.zero_stage
+        self.skips_nonfinite_grads = precision == "fp16"  # DeepSpeed's dynamic loss scaler skips overflows
+        self.optimizer_name = None
+        self.optimizer = self.scheduler = None
+        self._step_applied = True
+        self._measuring, self._grad_peak, self._memory = True, {}, None  # model-state bytes, first step
+        if optim is None:
+            self._init_frozen(deepspeed, model, ds_config)
+            return
+        config = dict(ds_config)
+        if settings.offload_optimizer.device != "none":
+            self.optimizer, self.optimizer_name = build_offload_adam(model, optim)
+            if not self.optimizer_name.startswith("DeepSpeedCPUAdam"):
+                config["zero_force_ds_cpu_optimizer"] = False
+        else:
+            self.optimizer, self.optimizer_name = build_adamw(model, optim), "torch.optim.AdamW"
+        self.scheduler = build_scheduler(self.optimizer, optim)
+        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                                                config=config, dist_init_required=False)
+        self.module = self.ds  # forward through the engine: ZeRO-3 gathers parameters in its hooks
+        self.model = self.ds.module
+        # ZeRO-0 in fp32 runs our optimizer unwrapped: DeepSpeed neither computes the norm nor checks it.
+        self._own_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
+        if ctx.is_main:
+            log.info("DeepSpeed ZeRO-%d on %d ranks, %s, optimizer %s (offload: optimizer %s, params %s)", self.stage,
+                     self.dp_size, precision, self.optimizer_name, settings.offload_optimizer.device,
+                     settings.offload_param.device)
+
+    def _init_frozen(self, deepspeed, model, ds_config) -> None:
+        """No optimizer (reference/reward models): ZeRO-3 keeps the weights partitioned, others hold them whole."""
+        model.requires_grad_(False).eval()
+        if self.stage == 3:
+            self.ds, _, _, _ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False)
+            self.module, self.model = self.ds, self.ds.module
+        else:
+            self.ds = None
+            self.module = self.model = model.to(self.ctx.device)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def autocast(self):
+        return contextlib.nullcontext()  # bf16/fp16: DeepSpeed casts the model itself
+
+    def no_sync(self, is_last_micro_batch: bool):
+        """DeepSpeed reduces (ZeRO-0/1) or finalises (ZeRO-2/3) gradients on the boundary micro-batch only."""
+        if self.optimizer is not None:
+            self.ds.set_gradient_accumulation_boundary(is_last_micro_batch)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # Undo what DeepSpeed applies: no 1/accumulation (scale_wrt_gas=False), × dp size for its average.
+        self.ds.backward(loss * self.dp_size, scale_wrt_gas=False)
+        if self._measuring:  # gradients exist between backward and step: their peak over the micro-batches
+            ledger = self._ledger()
+            for role in ("grads", "buffers"):
+                self._grad_peak[role] = max(self._grad_peak.get(role, 0), ledger.bytes[role])
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Run DeepSpeed's boundary step (norm, clip at optim.max_grad_norm, update, schedule); return the norm
+        before clipping. Non-finite gradients: DeepSpeed discards the update (ZeRO-0 fp32: we do)."""
+        own = None
+        if self._own_norm:
+            own = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+            if not math.isfinite(float(own)):
+                self.ds.zero_grad()
+                self._step_applied = False
+                return own
+        self.ds.step()
+        self._step_applied = self.ds.was_step_applied()
+        if self._measuring:
+            self._memory, self._measuring = self._measure(), False
+        if own is not None:
+            return own
+        norm = self.ds.get_global_grad_norm()
+        return torch.as_tensor(float("inf") if norm is None else norm, dtype=torch.float32).float()
+
+    def _keep_schedule_on_step_count(self) -> None:
+        # DeepSpeed does not advance the schedule on a step it skipped; DDP does, so the lr follows the step.
+        if not self._step_applied:
+            self.scheduler.step()
+
+    def step(self) -> None:
+        self._keep_schedule_on_step_count()
+
+    def skip_step(self) -> None:
+        if self._step_applied:  # finite gradients but a non-finite loss: the update is already in
+            log.warning("DeepSpeed applied this step's update before its loss was found non-finite")
+        self._keep_schedule_on_step_count()
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---- model-state bytes -----------------------------------------------------------------------
+    def _ledger(self) -> StorageLedger:
+        """Every tensor this rank holds for the model, by role, each storage once."""
+        ledger, opt = StorageLedger(), self.ds.optimizer
+        for p in self.model.parameters():
+            ledger.add("params", "module parameters", [p.data, getattr(p, "ds_tensor", None)])
+            ledger.add("grads", "module .grad", [p.grad])
+        for role, names in DS_ROLES:
+            for name in names:
+                value = getattr(opt, name, None)
+                if name == "ipg_buckets" and isinstance(value, dict):
+                    value = [vars(bucket) for bucket in value.values()]
+                ledger.add(role, name, value)
+        inner = getattr(opt, "optimizer", opt)  # the torch / DeepSpeedCPUAdam optimizer inside ZeRO
+        ledger.add("optim", "optimizer state", list(inner.state.values()))
+        for name, value in vars(opt).items():
+            if name not in ("optimizer", "param_names"):
+                ledger.add("other", name, value)
+        return ledger
+
+    def _measure(self) -> dict[str, float]:
+        ledger = self._ledger()
+        measured = {role: float(ledger.bytes[role]) for role in ("params", "master", "optim", "other")}
+        measured.update({role: float(max(self._grad_peak.get(role, 0), ledger.bytes[role]))
+                         for role in ("grads", "buffers")})
+        if ledger.bytes["other"]:
+            log.warning("model-state bytes: %d bytes in DeepSpeed attributes llmtrain does not classify: %s",
+                        ledger.bytes["other"], sorted(ledger.names["other"]))
+        s = self.settings
+        offload_opt, offload_param = s.offload_optimizer.device != "none", s.offload_param.device != "none"
+        host_roles = (("master", "optim") + (("grads",) if self.stage == 3 else ())) if offload_opt else ()
+        measured["host"] = sum(measured[r] for r in host_roles)
+        if offload_param and self.stage == 3:  # the weight partitions (ds_tensor) live in host memory
+            partitions = StorageLedger()
+            partitions.add("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in self.model.parameters()])
+            measured["host"] += partitions.bytes["params"]
+        numels = [getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad]
+        persistent = sum(n for n in numels if n <= s.stage3_param_persistence_threshold) if self.stage == 3 else 0
+        expected = deepspeed_expected(num_params=sum(numels), persistent_params=persistent, stage=self.stage,
+                                      dp=self.dp_size, grad_accum_steps=s.grad_accum_steps,
+                                      offload_optimizer=offload_opt, offload_param=offload_param)
+        roles = ("params", "master", "grads", "optim")
+        report = {f"{r}_bytes": measured[r] for r in (*roles, "buffers", "other", "host")}
+        report.update({f"expected_{r}_bytes": expected[r] for r in (*roles, "host")})
+        report["total_bytes"] = sum(measured[r] for r in roles)
+        report["expected_total_bytes"] = sum(expected[r] for r in roles)
+        report["formula_16m_bytes"] = formula_16m(num_params=sum(numels), stage=self.stage, dp=self.dp_size)
+        if self.ctx.is_main:
+            log.info("model-state bytes on rank 0 (measured / expected): %s; host %d / %d; buckets apart %d",
+                     ", ".join(f"{r} {measured[r]:.0f} / {expected[r]:.0f}" for r in roles), measured["host"],
+                     expected["host"], measured["buffers"])
+        return report
+
+    def model_state_bytes(self) -> dict[str, float] | None:
+        """Measured after the first optimizer step (None before): params, fp32 master, grads (peak over the
+        micro-batches), Adam state, host share, buckets apart; with the adjusted formula next to each."""
+        return self._memory
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Path) -> None:
+        """All ranks: DeepSpeed writes its own layout (model states, each rank's ZeRO partition) under TAG."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.ds.save_checkpoint(str(directory), tag=TAG, client_state={}, save_latest=True)
+        if self.ctx.is_main:
+            (directory / META).write_text(json.dumps({"zero_stage": self.stage, "dp_size": self.dp_size,
+                                                      "precision": self.precision}, indent=1))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """DeepSpeed's loader unpickles its files in full (torch.load(weights_only=False)): load only
+        checkpoints you trust. Everything llmtrain itself loads stays weights_only=True."""
+        if not (directory / META).is_file():
+            raise ConfigError(f"resume: {directory} holds no DeepSpeed checkpoint (written by another backend?): "
+                              "resume with the backend that wrote it")
+        meta = json.loads((directory / META).read_text())
+        if meta["dp_size"] != self.dp_size or meta["zero_stage"] != self.stage:
+            self._load_resharded(directory, meta)
+            return
+        path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_module_strict=True,
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint with tag {TAG}")
+        self._after_load()
+
+    def _after_load(self, group_settings: list[dict] | None = None) -> None:
+        """Undo what DeepSpeed's loaders get wrong for us. ZeRO-1/2 restore the checkpoint's clipping
+        threshold (optim.max_grad_norm wins, as under DDP). ZeRO-3's universal loader gives every param
+        group group 0's settings (weight decay on norms and biases: `group_settings` puts ours back) and one
+        shared `step` tensor to every partition, which torch's AdamW then increments once per partition."""
+        if hasattr(self.ds.optimizer, "clip_grad"):
+            self.ds.optimizer.clip_grad = self.optim_spec.max_grad_norm
+        for group, settings in zip(self.optimizer.param_groups, group_settings or []):
+            group.update(settings)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        self._replay_cpu_adam_bias_correction()
+
+    def _replay_cpu_adam_bias_correction(self) -> None:
+        """DeepSpeedCPUAdam keeps beta^t in C++ as a running product (× beta each step) but recomputes it with
+        pow(beta, t) when the step jumps, as in a resumed run: a last-bit difference that breaks bitwise
+        resume. Replaying steps 1..t on empty tensors rebuilds the product the uninterrupted run has."""
+        adam = self.optimizer
+        steps = [st["step"] for st in adam.state.values() if "step" in st] if hasattr(adam, "ds_opt_adam") else []
+        if not steps:
+            return
+        group, empty = adam.param_groups[0], torch.empty(0)
+        beta1, beta2 = group["betas"]
+        for step in range(1, int(max(steps)) + 1):
+            adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+
+    def _load_resharded(self, directory: Path, meta: dict) -> None:
+        """Another dp size (or ZeRO stage): rank 0 converts the checkpoint to DeepSpeed's universal format
+        (per-parameter fp32 weights + Adam moments, no partitioning) and every rank loads its new partition
+        from it. Weights, Adam moments and step counts, the lr schedule survive; see the README."""
+        if meta["zero_stage"] == 0 and self.stage == 0:  # ZeRO-0 checkpoints hold everything whole: no conversion
+            self.ds.load_checkpoint(str(directory), tag=TAG)
+            self._after_load()
+            return
+        if meta["zero_stage"] != self.stage and {meta["zero_stage"], self.stage} != {1, 2} or self.stage == 0:
+            raise ConfigError(
+                f"resume: {directory} was saved with ZeRO-{meta['zero_stage']} on {meta['dp_size']} ranks, this run "
+                f"is ZeRO-{self.stage} on {self.dp_size}: a DeepSpeed checkpoint changes dp size within ZeRO-1/2/3 "
+                "and stage between 1 and 2 only; keep backend.zero_stage, or start a new run from a Hugging Face "
+                "export (model.name_or_path=RUN/hf, written when a run ends)")
+        from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+        root = Path(self.settings.output_dir or directory.parent) / ".universal_tmp"
+        log.warning("resume: %s was saved with ZeRO-%d on %d dp ranks, this run is ZeRO-%d on %d: converting it to a "
+                    "DeepSpeed universal checkpoint in %s", directory, meta["zero_stage"], meta["dp_size"], self.stage,
+                    self.dp_size, root)
+        if self.ctx.is_main:
+            shutil.rmtree(root, ignore_errors=True)
+            args = argparse.Namespace(input_folder=str(directory / TAG), output_folder=str(root / TAG),
+                                      num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                      strict=True, inject_missing_state=True)  # plain models carry no UC info
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints a progress line per parameter
+                to_universal(args)
+        barrier()
+        group_settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                          for g in self.optimizer.param_groups]
+        # Set at load time: we only learn here that the checkpoint needs the universal loader.
+        self.ds._config.load_universal_checkpoint = True
+        try:
+            path, _ = self.ds.load_checkpoint(str(root), tag=TAG)
+        finally:
+            self.ds._config.load_universal_checkpoint = False
+        barrier()
+        if self.ctx.is_main:
+            shutil.rmtree(root, ignore_errors=True)
+        if path is None:
+            raise FileNotFoundError(f"{directory}: the universal checkpoint made from it did not load")
+        self._after_load(group_settings)
+
+    # ---- export --------------------------------------------------------------------------------
+    def export_hf(self, directory: Path) -> None:
+        """A consolidated Hugging Face folder from any stage: ZeRO-3 gathers each parameter in turn."""
+        state = self.gathered_state_dict() if self.stage == 3 else None
+        if self.ctx.is_main:
+            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        barrier()
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights on rank 0 (None elsewhere); a collective: every rank calls it."""
+        GatheredParameters = _import_deepspeed().zero.GatheredParameters
+
+        state = {}
+        for name, param in self.model.named_parameters():
+            with GatheredParameters([param], modifier_rank=None):
+                if self.ctx.is_main:
+                    state[name] = param.detach().to("cpu", copy=True)
+        if not self.ctx.is_main:
+            return None
+        persistent = set(self.model.state_dict())  # keys only: non-persistent buffers (rotary tables) are not saved
+        state.update({name: b.detach().to("cpu", copy=True) for name, b in self.model.named_buffers() if name in persistent})
+        return state
+
+
+class DeepSpeedBackend:
+    def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
+        """`options`: cfg.backend as a plain dict plus `run` (micro_batch_size, grad_accum_steps, output_dir)."""
+        self.ctx, self.precision = ctx, precision
+        self.settings = DeepSpeedSettings.from_options(options or {})
+        check_ops(self.settings)  # before the model loads
+        # DeepSpeed's comm layer wraps the process group llmtrain already started (zero.Init needs it).
+        _import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
+        self._hf_ds_config = None
+
+    def ds_config(self, max_grad_norm: float) -> dict:
+        return build_ds_config(self.settings, dp_size=self.ctx.world_size, precision=self.precision,
+                               max_grad_norm=max_grad_norm)
+
+    def _write_config(self, config: dict) -> None:
+        if self.ctx.is_main and self.settings.output_dir:
+            out = Path(self.settings.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "deepspeed_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @contextlib.contextmanager
+    def model_init_context(self):
+        """ZeRO-3: let transformers build the model under deepspeed.zero.Init (via HfDeepSpeedConfig), so
+        each rank only ever holds its partition; a 70B never materialises whole on one rank."""
+        if self.settings.zero_stage == 3:
+            _import_deepspeed()
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # transformers keeps only a weak reference: the backend holds it for the whole run.
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config(max_grad_norm=0.0))  # zero.Init reads ZeRO keys
+        yield
+
+    def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DeepSpeedEngine:
+        config = self.ds_config(max_grad_norm=optim.max_grad_norm if optim is not None else 0.0)
+        if optim is not None:
+            self._write_config(config)
+        return DeepSpeedEngine(model, optim, self.ctx, self.precision, self.settings, config)

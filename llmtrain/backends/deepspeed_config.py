@@ -1,0 +1,194 @@
+"""The DeepSpeed config, built from llmtrain's config: one source of truth, no hand-kept JSON.
+
+Pure Python (no deepspeed import): `deepspeed_problems` runs on every rank before anything loads,
+`build_ds_config` turns plain values into the dict handed to `deepspeed.initialize` (and written to
+`${output_dir}/deepspeed_config.json`). `backend.ds_config_overrides` is deep-merged last, for any
+DeepSpeed key we do not model; the keys llmtrain owns (batch, clipping, stage, precision, optimizer,
+scheduler) cannot be overridden there, because the training loop would silently disagree with them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# DeepSpeed keys whose value comes from another llmtrain field (dotted path -> the field to set instead).
+OWNED_KEYS = {
+    "train_batch_size": "trainer.micro_batch_size / trainer.grad_accum_steps (global = micro × accum × dp)",
+    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size",
+    "gradient_accumulation_steps": "trainer.grad_accum_steps",
+    "gradient_clipping": "optim.max_grad_norm (0 = no clipping)",
+    "zero_optimization.stage": "backend.zero_stage",
+    "optimizer": "optim.* (llmtrain passes its own AdamW and schedule)",
+    "scheduler": "optim.* (llmtrain passes its own AdamW and schedule)",
+    "bf16.enabled": "precision=bf16",
+    "fp16.enabled": "precision=fp16",
+}
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    device: str = "none"  # none | cpu | nvme
+    nvme_path: str | None = None
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """Everything the DeepSpeed backend needs, as plain values (see `from_options`)."""
+    zero_stage: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    offload_optimizer: OffloadSettings = OffloadSettings()
+    offload_param: OffloadSettings = OffloadSettings()
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    overrides: dict = field(default_factory=dict)
+    output_dir: str | None = None  # where deepspeed_config.json is written (rank 0)
+
+    @classmethod
+    def from_options(cls, options: dict) -> "DeepSpeedSettings":
+        """From `build_backend`'s options: cfg.backend as a plain dict, plus `run` (the batch and the run dir)."""
+        run = options.get("run") or {}
+        missing = [k for k in ("micro_batch_size", "grad_accum_steps") if k not in run]
+        if missing:
+            raise ValueError(f"the DeepSpeed backend needs options['run'][{missing}] (run.py passes the trainer's)")
+        defaults = cls(zero_stage=0, micro_batch_size=1, grad_accum_steps=1)
+
+        def offload(name: str) -> OffloadSettings:
+            node = options.get(name) or {}
+            return OffloadSettings(**{k: node[k] for k in ("device", "nvme_path", "pin_memory") if k in node})
+
+        plain = {k: options.get(k, getattr(defaults, k)) for k in (
+            "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+            "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters")}
+        return cls(zero_stage=options.get("zero_stage", 0), micro_batch_size=run["micro_batch_size"],
+                   grad_accum_steps=run["grad_accum_steps"], offload_optimizer=offload("offload_optimizer"),
+                   offload_param=offload("offload_param"), overrides=dict(options.get("ds_config_overrides") or {}),
+                   output_dir=run.get("output_dir"), **plain)
+
+
+def _is_mapping(node: Any) -> bool:
+    return isinstance(node, Mapping)  # OmegaConf's DictConfig is one
+
+
+def _plain(node: Any) -> dict:
+    """An OmegaConf node (or dict) as a plain dict."""
+    try:
+        from omegaconf import OmegaConf
+        if OmegaConf.is_config(node):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(node or {})
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """A copy of `base` with `overrides` merged in: nested dicts merge key by key, other values replace."""
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _offload_dict(o: OffloadSettings) -> dict:
+    out = {"device": o.device, "pin_memory": o.pin_memory}
+    if o.device == "nvme":
+        out["nvme_path"] = o.nvme_path
+    return out
+
+
+def build_ds_config(s: DeepSpeedSettings, *, dp_size: int, precision: str, max_grad_norm: float) -> dict:
+    """The dict for `deepspeed.initialize(config=...)`: batch triple, clipping, precision, ZeRO, overrides.
+    `max_grad_norm` is optim.max_grad_norm: 0 means no clipping, and is written as 0."""
+    zero: dict[str, Any] = {
+        "stage": s.zero_stage,
+        "overlap_comm": s.overlap_comm,
+        "contiguous_gradients": s.contiguous_gradients,
+        "reduce_bucket_size": s.reduce_bucket_size,
+        "allgather_bucket_size": s.allgather_bucket_size,
+        "reduce_scatter": True,
+    }
+    if s.zero_stage >= 1 and s.offload_optimizer.device != "none":
+        zero["offload_optimizer"] = _offload_dict(s.offload_optimizer)
+    if s.zero_stage == 3:
+        zero.update(stage3_prefetch_bucket_size=s.stage3_prefetch_bucket_size,
+                    stage3_param_persistence_threshold=s.stage3_param_persistence_threshold,
+                    stage3_max_live_parameters=s.stage3_max_live_parameters,
+                    stage3_gather_16bit_weights_on_model_save=True)
+        if s.offload_param.device != "none":
+            zero["offload_param"] = _offload_dict(s.offload_param)
+    config = {
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum_steps,
+        "train_batch_size": s.micro_batch_size * s.grad_accum_steps * dp_size,
+        # Always written: DeepSpeed would clip at 1.0 when the key is absent.
+        "gradient_clipping": float(max_grad_norm),
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_optimization": zero,
+        # Our AdamW and LambdaLR are passed in as client optimizer / scheduler (same lr per step as DDP).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": None,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(config, s.overrides)
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        keys.append(path)
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, path + ".")
+    return keys
+
+
+def deepspeed_problems(backend: Any, world_size: int) -> list[str]:
+    """Every DeepSpeed config problem found without importing DeepSpeed or loading the model."""
+    problems = []
+    stage = backend.zero_stage
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"backend.zero_stage={stage} must be 0, 1, 2 or 3")
+    for name in ("offload_optimizer", "offload_param"):
+        o = getattr(backend, name)
+        if o.device not in OFFLOAD_DEVICES:
+            problems.append(f"backend.{name}.device={o.device!r} must be one of {', '.join(OFFLOAD_DEVICES)}")
+        if o.device == "nvme" and not o.nvme_path:
+            problems.append(f"backend.{name}.device=nvme needs backend.{name}.nvme_path=/a/local/nvme/folder")
+    if backend.offload_param.device != "none" and stage != 3:
+        problems.append(f"backend.offload_param.device={backend.offload_param.device} needs backend.zero_stage=3 "
+                        f"(only ZeRO-3 partitions parameters; this run has zero_stage={stage}): use backend=zero3_offload")
+    if backend.offload_optimizer.device != "none" and stage == 0:
+        problems.append(f"backend.offload_optimizer.device={backend.offload_optimizer.device} needs "
+                        "backend.zero_stage >= 1 (ZeRO-0 has no partitioned optimizer to offload)")
+    sizes = {"backend.reduce_bucket_size": backend.reduce_bucket_size,
+             "backend.allgather_bucket_size": backend.allgather_bucket_size,
+             "backend.stage3_prefetch_bucket_size": backend.stage3_prefetch_bucket_size,
+             "backend.stage3_max_live_parameters": backend.stage3_max_live_parameters}
+    problems += [f"{k}={v} must be >= 1" for k, v in sizes.items() if v < 1]
+    if backend.stage3_param_persistence_threshold < 0:
+        problems.append(f"backend.stage3_param_persistence_threshold={backend.stage3_param_persistence_threshold} "
+                        "must be >= 0")
+    overrides = _plain(backend.ds_config_overrides) if _is_mapping(backend.ds_config_overrides) else {}
+    if backend.ds_config_overrides is not None and not _is_mapping(backend.ds_config_overrides):
+        problems.append(f"backend.ds_config_overrides={backend.ds_config_overrides!r} must be a mapping "
+                        "of DeepSpeed keys, e.g. backend.ds_config_overrides={comms_logger: {enabled: true}}")
+    for key in _dotted_keys(overrides):
+        if key in OWNED_KEYS:
+            problems.append(f"backend.ds_config_overrides.{key} is set by llmtrain from {OWNED_KEYS[key]}; "
+                            "set that instead (DeepSpeed and the training loop must agree on it)")
+    return problems

@@ -1,0 +1,213 @@
+"""FSDP2 (+ tensor parallel, + HSDP) under torchrun (gloo) against DDP, every run loading the same saved
+tiny model folder, fp32, global batch 16 = micro × grad accumulation 2 × dp.
+
+- parity: loss AND grad norm of each of 10 steps within 1e-5 relative of DDP (the first within 1e-6);
+  the grad norm catches a gradient-scale error (sum instead of average) that Adam hides in the loss.
+- resume: the parity runs save at step 5; resuming there on the same topology is bitwise, resuming a
+  dp=2 checkpoint at dp=1 and at dp=2 × tp=2 continues within the parity tolerance.
+- a worker (this file under torchrun) checks what the CLI cannot show: a dp=2 checkpoint loaded at
+  tp=2 holds exactly the saved weights, the consolidated HF export gives the sharded model's logits,
+  and the per-rank model-state bytes match ZeRO-3's 16·M/N.
+Runs are cached per module, so the resume tests reuse the parity runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli, save_tiny_model
+
+pytestmark = pytest.mark.dist
+
+# name: (processes, micro batch, overrides); global batch 16 rows for every one
+CONTENDERS = {
+    "ddp": (2, 4, ["backend=ddp"]),
+    "fsdp2": (2, 4, ["backend=fsdp2"]),
+    "fsdp2_tp": (2, 8, ["backend=fsdp2_tp"]),  # dp 1 × tp 2
+    "dp2_tp2": (4, 4, ["backend=fsdp2_tp"]),  # dp 2 × tp 2
+    "hsdp": (4, 2, ["backend=fsdp2", "backend.dp_replicate=2"]),  # 2 replicas × 2 shards
+    "dp1": (1, 8, ["backend=fsdp2"]),
+}
+PARITY = [("llama", "fsdp2"), ("llama", "fsdp2_tp"), ("llama", "dp2_tp2"), ("llama", "hsdp"),
+          ("qwen2", "fsdp2_tp"), ("qwen2", "dp2_tp2")]  # qwen2: GQA + q/k/v biases, which TP splits
+
+
+def base_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    return ["recipe=sft_tiny", f"model.name_or_path={model_dir}", "model.from_config=null", "model.tokenizer=null",
+            f"output_dir={out_dir}", "trainer.eval_every_n_steps=0", "data.eval_files=[]",
+            "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2", "trainer.max_steps=10",
+            "trainer.grad_accum_steps=2", "trainer.global_batch_size=16", "trainer.save_every_n_steps=5",
+            *extra]
+
+
+def contender_args(name: str, model_dir: Path, out_dir: Path, *extra: str) -> tuple[list[str], int]:
+    nproc, micro, overrides = CONTENDERS[name]
+    return base_args(model_dir, out_dir, f"trainer.micro_batch_size={micro}", *overrides, *extra), nproc
+
+
+class Runs:
+    """Each (model, contender) trained once per module; later tests reuse the run folder."""
+
+    def __init__(self, root: Path, models: dict[str, Path]):
+        self.root, self.models, self.done = root, models, {}
+
+    def get(self, model: str, name: str) -> Path:
+        if (model, name) not in self.done:
+            out = self.root / f"{model}_{name}"
+            args, nproc = contender_args(name, self.models[model], out)
+            assert_ok(run_cli(args, nproc=nproc))
+            self.done[(model, name)] = out
+        return self.done[(model, name)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> Runs:
+    qwen2 = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), model_type="qwen2")
+    return Runs(tmp_path_factory.mktemp("fsdp2_runs"), {"llama": tiny_model_dir, "qwen2": qwen2})
+
+
+def assert_close_series(ours, reference, key, first_rel, rel):
+    assert len(ours) == len(reference)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        tolerance = first_rel if i == 0 else rel
+        assert abs(a[key] - b[key]) <= tolerance * abs(b[key]), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+
+
+@pytest.mark.parametrize("model,name", PARITY)
+def test_parity_with_ddp(runs, model, name):
+    reference, ours = read_metrics(runs.get(model, "ddp"))[0], read_metrics(runs.get(model, name))[0]
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]  # the same examples
+    assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
+    assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-5)
+    assert reference[-1]["loss"] < reference[0]["loss"]
+
+
+def resume(runs: Runs, source: str, name: str, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """(the source run's steps 6-10, the same steps trained by `name` resumed from its step-5 checkpoint)."""
+    straight = runs.get("llama", source)
+    args, nproc = contender_args(name, runs.models["llama"], tmp_path / "resumed",
+                                 f"resume={straight}/checkpoints/step_5")
+    assert_ok(run_cli(args, nproc=nproc))
+    continued = read_metrics(tmp_path / "resumed")[0]
+    assert [r["step"] for r in continued] == list(range(6, 11))
+    return read_metrics(straight)[0][5:], continued
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp"])
+def test_bitwise_resume_same_topology(runs, tmp_path, name):
+    reference, continued = resume(runs, name, name, tmp_path)
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in continued] == [r[key] for r in reference]
+
+
+@pytest.mark.parametrize("name", ["dp1", "dp2_tp2"])
+def test_dp2_checkpoint_resumes_resharded(runs, tmp_path, name):
+    """Model, Adam state and schedule saved at dp=2 continue at dp=1 (one process) and at dp=2 × tp=2."""
+    reference, continued = resume(runs, "fsdp2", name, tmp_path)
+    assert [r["lr"] for r in continued] == [r["lr"] for r in reference]
+    assert_close_series(continued, reference, "loss", 1e-6, 1e-5)
+    assert_close_series(continued, reference, "grad_norm", 1e-6, 1e-5)
+
+
+def test_resharded_load_export_and_bytes(runs, tmp_path):
+    """Worker under torchrun, 2 ranks (see `worker` below)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step_dir = runs.get("llama", "fsdp2") / "checkpoints" / "step_5"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+           "tests.dist.test_fsdp2", str(runs.models["llama"]), str(step_dir), str(tmp_path)]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert_ok(result)
+    reports = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    # ZeRO-3 in fp32: params 4M + grads 4M + Adam m, v 8M = 16M bytes, split over N = 2 ranks
+    for report in reports:
+        expected = 16 * report["parameters"] / 2
+        assert abs(report["model_state_bytes"] - expected) <= 0.05 * expected, report
+    assert sum(r["model_state_bytes"] for r in reports) == 16 * reports[0]["parameters"]  # nothing duplicated
+    assert reports[0]["export_logits_max_abs_diff"] <= 1e-6
+    # the tp=2 engine loaded exactly the weights the dp=2 run saved (its export is those weights)
+    dcp_to_torch_save(step_dir / "engine" / "dcp", tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)["model"]
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+@pytest.mark.parametrize("model_type,nproc,overrides,needles", [
+    ("gpt2", 2, ["backend=fsdp2_tp"], ["backend.tp=2", "'gpt2'", "no tensor-parallel plan", "backend=ddp"]),
+    ("llama", 3, ["backend=fsdp2", "backend.tp=3"], ["backend.tp=3", "num_attention_heads=4", "num_key_value_heads=2", "backend.dp_shard=1"]),
+    ("llama", 2, ["backend=fsdp2", "backend.tp=2", "backend.dp_shard=2"],
+     ["backend.dp_replicate=1 × backend.dp_shard=2 × backend.tp=2 = 4", "not the world size 2"]),
+])
+def test_bad_layout_fails_on_every_rank_before_the_model_loads(tiny_model_dir, tmp_path, model_type, nproc,
+                                                               overrides, needles):
+    model_dir = tiny_model_dir if model_type == "llama" else save_tiny_model(tmp_path / model_type, model_type)
+    result = run_cli(base_args(model_dir, tmp_path / "run", "trainer.global_batch_size=null", *overrides),
+                     nproc=nproc)
+    assert result.returncode != 0
+    for rank in range(nproc):
+        assert f"llmtrain: error on rank {rank}" in result.stderr, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr[-3000:])
+    assert "Loading weights" not in result.stderr + result.stdout and not (tmp_path / "run").exists()
+
+
+# ---- the worker: `torchrun --nproc_per_node 2 -m tests.dist.test_fsdp2 MODEL_DIR STEP_DIR OUT_DIR` -----------
+
+def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.backends.base import OptimizerSpec
+    from llmtrain.backends.fsdp2 import FSDP2Engine
+    from llmtrain.losses.lm import lm_loss_sum
+    from llmtrain.parallel import ParallelDims, init_distributed, shutdown
+
+    ctx = init_distributed("cpu", 300)
+    spec = OptimizerSpec(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
+                         min_lr_ratio=1.0, max_grad_norm=1.0, max_steps=10)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (2, 16))  # (B, T), the same on every rank
+    report = {"rank": ctx.rank}
+
+    # 1. model-state bytes at dp=2: local shards of params + grads (after backward) + Adam m, v (after step)
+    model = load()
+    report["parameters"] = sum(p.numel() for p in model.parameters())
+    engine = FSDP2Engine(model, spec, ctx, "fp32", ParallelDims.build(1, -1, 1, ctx.world_size))
+    engine.backward(lm_loss_sum(engine.module(input_ids=ids).logits, ids) / ids.numel())
+    engine.clip_grad_norm()
+    with_grads = engine.model_state_bytes()
+    engine.step()
+    report["bytes"] = {**with_grads, "optimizer": engine.model_state_bytes()["optimizer"]}
+    report["model_state_bytes"] = sum(report["bytes"].values())
+
+    # 2. the dp=2 checkpoint into a tp=2 engine, exported; the export's logits vs the sharded model's
+    engine = FSDP2Engine(load(), spec, ctx, "fp32", ParallelDims.build(1, -1, 2, ctx.world_size))
+    engine.load_checkpoint(step_dir / "engine")
+    engine.export_hf(out_dir / "hf")
+    with torch.no_grad():
+        sharded_logits = engine.module(input_ids=ids).logits  # (B, T, V), full on every tp rank
+        if ctx.is_main:
+            exported = AutoModelForCausalLM.from_pretrained(out_dir / "hf", dtype=torch.float32,
+                                                            attn_implementation="sdpa")
+            report["export_logits_max_abs_diff"] = (exported(input_ids=ids).logits - sharded_logits).abs().max().item()
+    (out_dir / f"rank_{ctx.rank}.json").write_text(json.dumps(report))
+    shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    worker(*(Path(arg) for arg in sys.argv[1:4]))

@@ -1,0 +1,122 @@
+"""The DeepSpeed config builder, its pure checks, the presets and the model-state formulas (no deepspeed import)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.backends.deepspeed_config import DeepSpeedSettings, OffloadSettings, build_ds_config, deep_merge
+from llmtrain.compose import compose_config
+from llmtrain.config import ConfigError, config_problems, validate
+from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
+
+PRESETS = {"deepspeed": (2, "none", "none"), "zero0": (0, "none", "none"), "zero1": (1, "none", "none"),
+           "zero2": (2, "none", "none"), "zero3": (3, "none", "none"), "zero3_offload": (3, "cpu", "cpu")}
+
+
+def settings(**changes) -> DeepSpeedSettings:
+    base = dict(zero_stage=2, micro_batch_size=4, grad_accum_steps=2)
+    return DeepSpeedSettings(**{**base, **changes})
+
+
+def test_batch_triple_clipping_and_precision_come_from_our_values():
+    config = build_ds_config(settings(), dp_size=8, precision="bf16", max_grad_norm=0.0)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 2, 64)
+    assert config["gradient_clipping"] == 0.0  # written even when 0: DeepSpeed's default would clip at 1.0
+    assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
+    assert "optimizer" not in config and "scheduler" not in config  # ours go in as client objects
+
+
+def test_zero_sections_follow_the_stage():
+    z2 = build_ds_config(settings(offload_optimizer=OffloadSettings("cpu")), dp_size=2, precision="fp32",
+                         max_grad_norm=1.0)["zero_optimization"]
+    assert z2["stage"] == 2 and z2["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_param" not in z2 and "stage3_param_persistence_threshold" not in z2
+    nvme = OffloadSettings("nvme", "/nvme", False)
+    z3 = build_ds_config(settings(zero_stage=3, offload_param=nvme, stage3_param_persistence_threshold=7),
+                         dp_size=2, precision="fp32", max_grad_norm=1.0)["zero_optimization"]
+    assert z3["offload_param"] == {"device": "nvme", "nvme_path": "/nvme", "pin_memory": False}
+    assert z3["stage3_param_persistence_threshold"] == 7 and "offload_optimizer" not in z3
+
+
+def test_overrides_are_deep_merged_last():
+    overrides = {"zero_optimization": {"round_robin_gradients": True, "reduce_bucket_size": 5}, "comms_logger": {}}
+    config = build_ds_config(settings(overrides=overrides), dp_size=2, precision="fp32", max_grad_norm=1.0)
+    zero = config["zero_optimization"]
+    assert zero["round_robin_gradients"] is True and zero["reduce_bucket_size"] == 5 and zero["stage"] == 2
+    assert config["comms_logger"] == {}
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}) == {"a": {"b": 1, "c": 3}}
+
+
+def test_settings_from_backend_options_need_the_batch():
+    options = {"zero_stage": 3, "offload_param": {"device": "cpu", "nvme_path": None, "pin_memory": False},
+               "run": {"micro_batch_size": 2, "grad_accum_steps": 3, "output_dir": "/tmp/x"}}
+    s = DeepSpeedSettings.from_options(options)
+    assert (s.zero_stage, s.micro_batch_size, s.grad_accum_steps, s.offload_param.device) == (3, 2, 3, "cpu")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        DeepSpeedSettings.from_options({"zero_stage": 1})
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_are_one_backend(preset):
+    cfg = compose_config(["recipe=sft_tiny", f"backend={preset}"])
+    b = cfg.backend
+    assert (b.name, b.zero_stage, b.offload_optimizer.device, b.offload_param.device) == ("deepspeed", *PRESETS[preset])
+    assert config_problems(cfg, 2) == []
+    assert compose_config(["recipe=sft_tiny", f"backend={preset}", "backend.zero_stage=1",
+                           "backend.offload_param.device=none"]).backend.zero_stage == 1
+
+
+BAD = {
+    "backend.zero_stage=4": "backend.zero_stage=4 must be 0, 1, 2 or 3",
+    "backend.offload_param.device=cpu": "backend.offload_param.device=cpu needs backend.zero_stage=3",
+    "backend.offload_optimizer.device=nvme": "backend.offload_optimizer.device=nvme needs backend.offload_optimizer.nvme_path",
+    "backend.offload_optimizer.device=disk": "backend.offload_optimizer.device='disk' must be one of none, cpu, nvme",
+    "backend.reduce_bucket_size=0": "backend.reduce_bucket_size=0 must be >= 1",
+    "backend.ds_config_overrides={gradient_accumulation_steps: 4}":
+        "backend.ds_config_overrides.gradient_accumulation_steps is set by llmtrain from trainer.grad_accum_steps",
+    "backend.ds_config_overrides={zero_optimization: {stage: 3}}":
+        "backend.ds_config_overrides.zero_optimization.stage is set by llmtrain from backend.zero_stage",
+    "backend.ds_config_overrides={optimizer: {type: Adam}}": "backend.ds_config_overrides.optimizer is set by llmtrain",
+    "backend.ds_config_overrides=5": "backend.ds_config_overrides=5 must be a mapping",
+}
+
+
+@pytest.mark.parametrize("override", sorted(BAD))
+def test_each_bad_field_is_named(override):
+    cfg = compose_config(["recipe=sft_tiny", "backend=zero2", override])
+    problems = config_problems(cfg, 2)
+    assert len(problems) == 1 and BAD[override] in problems[0], problems
+
+
+def test_optimizer_offload_needs_a_zero_stage():
+    cfg = compose_config(["recipe=sft_tiny", "backend=zero0", "backend.offload_optimizer.device=cpu"])
+    with pytest.raises(ConfigError, match=r"offload_optimizer.device=cpu needs backend.zero_stage >= 1"):
+        validate(cfg, 2)
+
+
+def test_expected_bytes_follow_formulas_md():
+    m, n = 1000, 4
+    for stage in range(4):
+        plain = deepspeed_expected(num_params=m, persistent_params=0, stage=stage, dp=n, grad_accum_steps=2,
+                                   offload_optimizer=False, offload_param=False)
+        unadjusted = plain["params"] + plain["grads"] + plain["optim"]  # without DeepSpeed's master copy
+        assert unadjusted == pytest.approx(formula_16m(num_params=m, stage=stage, dp=n))
+        assert plain["master"] == (0 if stage == 0 else 4 * m / n)
+    assert formula_16m(num_params=m, stage=0, dp=n) == 16 * m and formula_16m(num_params=m, stage=3, dp=n) == 4 * m
+    z3 = deepspeed_expected(num_params=m, persistent_params=100, stage=3, dp=n, grad_accum_steps=1,
+                            offload_optimizer=True, offload_param=True)
+    assert z3["params"] == 4 * (m / n + 100) and z3["host"] == 4 * m / n * 5
+    z1 = deepspeed_expected(num_params=m, persistent_params=0, stage=1, dp=n, grad_accum_steps=1,
+                            offload_optimizer=False, offload_param=False)
+    assert z1["grads"] == 4 * m / n  # no accumulation: whole gradients live only inside backward
+
+
+def test_storage_ledger_counts_each_storage_once():
+    flat = torch.zeros(100)
+    ledger = StorageLedger()
+    ledger.add("params", "views", [flat[:50], flat[50:]])
+    ledger.add("grads", "same storage again", {"x": [flat]})
+    ledger.add("master", "meta", [torch.empty(10, device="meta")])
+    assert ledger.bytes["params"] == 400 and ledger.bytes["grads"] == 0 and ledger.bytes["master"] == 0

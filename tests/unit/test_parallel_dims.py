@@ -1,0 +1,107 @@
+"""ParallelDims and the fsdp2 pre-load checks: pure arithmetic on degrees and architecture configs."""
+
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoConfig
+
+from llmtrain.backends.checks import BACKEND_CONFIG_CHECKS, BACKEND_MODEL_CHECKS
+from llmtrain.compose import compose_config
+from llmtrain.config import ConfigError, data_parallel_size, validate
+from llmtrain.parallel import ParallelDims
+
+EVERY_DEGREE = ("backend.dp_replicate=", "backend.dp_shard=", "backend.tp=")
+
+
+def arch(model_type="llama", **fields):
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    if model_type == "gpt2":
+        sizes = dict(n_embd=64, n_head=4)
+    return AutoConfig.for_model(model_type, **{**sizes, **fields})
+
+
+def backend(**fields):
+    return SimpleNamespace(**{"name": "fsdp2", "dp_replicate": 1, "dp_shard": -1, "tp": 1, **fields})
+
+
+@pytest.mark.parametrize("dp_replicate,dp_shard,tp,world,resolved", [
+    (1, -1, 1, 8, (1, 8, 1)),
+    (1, -1, 2, 8, (1, 4, 2)),
+    (2, -1, 1, 16, (2, 8, 1)),
+    (2, 2, 2, 8, (2, 2, 2)),
+    (1, 1, 1, 1, (1, 1, 1)),
+])
+def test_degrees_resolve(dp_replicate, dp_shard, tp, world, resolved):
+    dims = ParallelDims.build(dp_replicate, dp_shard, tp, world)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == resolved
+    assert dims.dp_size == resolved[0] * resolved[1] == world // tp
+
+
+@pytest.mark.parametrize("dp_replicate,dp_shard,tp,world,needle", [
+    (1, 2, 2, 2, "= 4, not the world size 2"),  # dp × tp != world
+    (1, -1, 3, 4, "world size 4 divisible by"),
+    (2, -1, 1, 3, "world size 3 divisible by"),
+    (1, 0, 1, 2, "backend.dp_shard=0 must be >= 1, or -1"),
+    (1, -1, 0, 2, "backend.tp=0 must be >= 1"),
+])
+def test_bad_degrees_name_every_degree(dp_replicate, dp_shard, tp, world, needle):
+    with pytest.raises(ConfigError) as error:
+        ParallelDims.build(dp_replicate, dp_shard, tp, world)
+    message = str(error.value)
+    assert needle in message and f"world size {world}" in message, message
+    assert all(name in message for name in ("backend.dp_replicate=", "backend.tp=")), message
+
+
+def test_mismatch_message_prints_every_degree():
+    [message] = ParallelDims.problems(2, 3, 2, 8)
+    assert all(name in message for name in EVERY_DEGREE)
+    assert "backend.dp_replicate=2 × backend.dp_shard=3 × backend.tp=2 = 12" in message
+
+
+def test_tp_must_divide_heads_kv_heads_and_mlp():
+    dims = ParallelDims.build(1, -1, 3, 3)
+    problems = dims.model_problems(model_type="llama", num_heads=4, num_kv_heads=2, intermediate_size=128)
+    assert [p.split(" (")[0] for p in problems] == [
+        "backend.tp=3 must divide the model's num_attention_heads=4",
+        "backend.tp=3 must divide the model's num_key_value_heads=2",
+        "backend.tp=3 must divide the model's intermediate_size=128"]
+    assert all(name in problems[0] for name in EVERY_DEGREE) and "pick a tp among [1, 2]" in problems[0]
+    # GQA: 8 heads, 2 kv-heads -> tp=4 splits the query heads but not the kv-heads
+    gqa = ParallelDims.build(1, -1, 4, 4).model_problems(model_type="qwen2", num_heads=8, num_kv_heads=2,
+                                                         intermediate_size=128)
+    assert len(gqa) == 1 and "num_key_value_heads=2" in gqa[0]
+
+
+def test_fsdp2_model_check_on_architectures():
+    check = BACKEND_MODEL_CHECKS["fsdp2"]
+    assert check(backend(tp=2), 4, arch("llama")) == []
+    assert check(backend(tp=2), 2, arch("qwen2")) == []
+    assert check(backend(tp=1), 2, arch("gpt2")) == []  # plain FSDP2 shards any architecture
+    [gpt2] = check(backend(tp=2), 2, arch("gpt2"))
+    assert "backend.tp=2" in gpt2 and "'gpt2'" in gpt2 and "no tensor-parallel plan" in gpt2
+    assert "backend=ddp" in gpt2 and "backend=fsdp2 (backend.tp=1)" in gpt2
+    assert len(check(backend(tp=4), 4, arch("llama"))) == 1  # 4 heads ok, 2 kv-heads not
+    assert check(backend(tp=2, dp_shard=3), 2, arch("llama")) == []  # the layout error is reported elsewhere
+
+
+def test_fsdp2_config_check_through_validate():
+    assert BACKEND_CONFIG_CHECKS["fsdp2"](backend(tp=2), 4) == []
+    cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2_tp", "backend.dp_shard=4"])
+    with pytest.raises(ConfigError, match=r"backend\.dp_shard=4 × backend\.tp=2 = 8, not the world size 4"):
+        validate(cfg, world_size=4)
+    validate(compose_config(["recipe=sft_tiny", "backend=fsdp2_tp"]), world_size=4)
+
+
+def test_tp_peers_share_data():
+    cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2_tp"])
+    assert data_parallel_size(cfg.backend, 8) == 4
+    assert data_parallel_size(compose_config(["recipe=sft_tiny", "backend=fsdp2"]).backend, 8) == 8
+    cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2_tp", "trainer.global_batch_size=64",
+                          "trainer.micro_batch_size=8", "trainer.grad_accum_steps=2"])
+    validate(cfg, world_size=8)  # 8 × 2 × dp 4
+
+
+def test_mesh_dims():
+    assert ParallelDims.build(1, -1, 2, 8).dp_dim_names == ("dp_shard",)
+    assert ParallelDims.build(2, -1, 1, 8).dp_dim_names == ("dp_replicate", "dp_shard")
+    assert str(ParallelDims.build(2, -1, 2, 8)) == "world 8 = dp_replicate 2 × dp_shard 2 × tp 2 (data parallel 4)"
