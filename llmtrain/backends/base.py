@@ -9,6 +9,7 @@ token normalisation is applied exactly once, whatever the backend.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -96,3 +97,33 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> to
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+class ScaledOptimizerSteps:
+    """autocast / step / skip_step / current_lr for engines that own a torch `optimizer`, `scheduler`,
+    a (possibly disabled) GradScaler `scaler`, `compute_dtype` and `ctx` (DDP, FSDP2)."""
+
+    @property
+    def skips_nonfinite_grads(self) -> bool:
+        """fp16: the loss scaler skips overflowed steps itself (that is how it finds its scale)."""
+        return self.scaler.is_enabled()
+
+    def autocast(self) -> AbstractContextManager:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.compute_dtype)
+
+    def step(self) -> None:
+        self.scaler.step(self.optimizer)  # fp16: skipped by the scaler when gradients overflowed
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        """Discard this step's gradients; the schedule still advances so the lr follows the step count."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        self.scheduler.step()
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]

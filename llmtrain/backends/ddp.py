@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_adamw, build_scheduler
+from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_adamw,
+                                    build_scheduler)
 from llmtrain.parallel import DistContext
 
 
@@ -16,7 +17,7 @@ def load_file(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-class DDPEngine:
+class DDPEngine(ScaledOptimizerSteps):
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str):
         self.ctx = ctx
         self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None
@@ -36,16 +37,6 @@ class DDPEngine:
             self.scheduler = build_scheduler(self.optimizer, optim)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16")
 
-    @property
-    def skips_nonfinite_grads(self) -> bool:
-        """fp16: the loss scaler skips overflowed steps itself (that is how it finds its scale)."""
-        return self.scaler.is_enabled()
-
-    def autocast(self):
-        if self.compute_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=self.compute_dtype)
-
     def no_sync(self, is_last_micro_batch: bool):
         """Skip the gradient all-reduce on all but the last micro-batch of a step."""
         if is_last_micro_batch or self.optimizer is None:
@@ -64,21 +55,6 @@ class DDPEngine:
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-
-    def step(self) -> None:
-        self.scaler.step(self.optimizer)  # fp16: skipped by the scaler when gradients overflowed
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self) -> None:
-        """Discard this step's gradients; the schedule still advances so the lr follows the step count."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update()
-        self.scheduler.step()
-
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def save_checkpoint(self, directory: Path) -> None:
         if self.ctx.is_main:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups
+from llmtrain.backends.base import OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler, param_groups
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims
 
@@ -122,7 +122,7 @@ def split_groups_by_mesh(groups: list[dict]) -> list[dict]:
 
 # ---- the engine ---------------------------------------------------------------------------------
 
-class FSDP2Engine:
+class FSDP2Engine(ScaledOptimizerSteps):
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
                  dims: ParallelDims, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
                  compile: bool = False):
@@ -158,15 +158,6 @@ class FSDP2Engine:
         else:
             self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)
 
-    @property
-    def skips_nonfinite_grads(self) -> bool:
-        return self.scaler.is_enabled()
-
-    def autocast(self):
-        if self.compute_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=self.compute_dtype)
-
     @contextlib.contextmanager
     def no_sync(self, is_last_micro_batch: bool):
         """Accumulate unsharded gradients locally on all but the last micro-batch (no reduce-scatter),
@@ -192,20 +183,6 @@ class FSDP2Engine:
             for group in _by_mesh(params).values():
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
         return norm
-
-    def step(self) -> None:
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update()
-        self.scheduler.step()
-
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     # ---- memory ---------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
