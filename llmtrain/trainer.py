@@ -69,8 +69,9 @@ class Trainer:
             self._emit(self.evaluate())
         memory_pending = hasattr(self.engine, "model_state_bytes")  # logged once the optimizer state exists
         while self.step < self.s.max_steps:
+            start = time.perf_counter()  # the step's clock includes fetching and collating its batches
             micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
-            record = self.train_step(micro_batches)
+            record = self.train_step(micro_batches, start)
             if memory_pending and self.engine.model_state_bytes() is not None:  # same on every rank
                 record.update(gather_per_rank(self.engine.model_state_bytes(), self.ctx.world_size, self.ctx.rank,
                                               self.ctx.device))
@@ -82,8 +83,7 @@ class Trainer:
             if last or _due(self.step, self.s.save_every_n_steps):
                 self.checkpointer.save(self.step, self.engine, self.trainer_state(), self.config_yaml)
 
-    def train_step(self, micro_batches: list) -> dict:
-        start = time.perf_counter()
+    def train_step(self, micro_batches: list, start: float) -> dict:
         self.engine.module.train()
         local_targets = sum(int(b.num_target_tokens()) for b in micro_batches)
         global_targets = int(all_reduce_sum(torch.tensor([local_targets], dtype=torch.float64,
