@@ -1,0 +1,165 @@
+"""Run llmtrain's own command-line entry point (`llmtrain.__main__.main`, the code behind
+`python -m llmtrain`) in this process, with measurement added around it and nothing in its hot path:
+
+    python benchmarks/llmtrain_worker.py --out R.json --warmup W [--comm-step K] [--check-packing]
+        [--patch NAME,...] [--profile F.prof] -- recipe=... key=value ...
+    torchrun --standalone --nproc_per_node 2 benchmarks/llmtrain_worker.py ... -- ... backend=zero2
+
+- each metrics.jsonl step record gets `wall_time` / `cpu_time` (perf_counter / process_time when rank 0
+  logs it): the benchmark's throughput window is wall clock over whole loop iterations, the same
+  figure every other contender gets (llmtrain's own `tokens_per_s` leaves out data loading and logging);
+- `--comm-step K`: during optimizer step K the collectives of this rank are counted (a dispatch mode
+  over the c10d ops) and its live tensor bytes taken just before the update; that step is slower and is
+  left out of the throughput window (make K the last step);
+- `--patch`: prototypes of proposed llmtrain changes, applied by monkeypatching this process only
+  (see PATCHES); `--profile`: cProfile of the whole run;
+- each rank writes its own peak RSS (R.json on rank 0, R.json.rank<r> on the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+import prototypes  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def install_clock() -> None:
+    from llmtrain.metrics import sinks
+
+    original = sinks.JsonlSink.log
+
+    def log(self, record):
+        if "tokens" in record:
+            record = dict(record, wall_time=time.perf_counter(), cpu_time=time.process_time())
+        return original(self, record)
+
+    sinks.JsonlSink.log = log
+
+
+def install_comm_probe(step: int, found: dict) -> None:
+    """Count this rank's collectives during optimizer step `step` (1-based) and its tensor bytes."""
+    from llmtrain.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self, micro_batches):
+        if self.step + 1 != step:
+            return original(self, micro_batches)
+        engine = self.engine
+        clip = engine.clip_grad_norm
+
+        def clip_and_measure():  # gradients exist, the update has not run: weights + grads + optimizer
+            found["live_tensor_bytes_before_update"] = C.live_tensor_bytes()
+            return clip()
+
+        engine.clip_grad_norm = clip_and_measure
+        counter = C.comm_counter()
+        try:
+            with counter:
+                record = original(self, micro_batches)
+        finally:
+            del engine.clip_grad_norm
+        found["comm_calls"], found["comm_bytes"] = dict(counter.calls), dict(counter.bytes)
+        found["live_tensor_bytes_after_update"] = C.live_tensor_bytes()
+        return record
+
+    Trainer.train_step = train_step
+
+
+def output_dir(overrides: list[str]) -> Path:
+    return Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")))
+
+
+def packing_check(overrides: list[str]) -> dict:
+    """llmtrain's packed path (its data pipeline, collate and batch preparation) on the exported weights."""
+    from llmtrain.data.collate import collate
+    from llmtrain.data.pipeline import build_data
+    from llmtrain.models.load import load_tokenizer
+    from llmtrain.run import batch_preparer
+    import torch
+    from workers import isolation_check
+
+    kv = dict(o.split("=", 1) for o in overrides)
+    tok = load_tokenizer(str(C.TOKENIZER_DIR), False)
+    data = build_data(train_files=[kv["data.train_files"].strip("[]")], eval_files=[], dataset=None, split="train",
+                      eval_split=None, eval_fraction=0.0, fmt="prompt_response", max_seq_len=C.MAX_SEQ_LEN,
+                      overlong="truncate", packing=True, tokenizer=tok, seed=0)
+    batch = collate([data.train[i] for i in range(C.GLOBAL_BATCH_ROWS_PACKED)], pad_token_id=tok.pad_token_id)
+    from llmtrain.models import load
+    from transformers import AutoModelForCausalLM
+
+    attn = load.resolve_attn_implementation("auto", torch.device("cpu"))  # sdpa, or a prototype's attention
+    batch = batch_preparer(torch.device("cpu"), "fp32", attn)(batch)
+    model = AutoModelForCausalLM.from_pretrained(output_dir(overrides) / "hf", dtype=torch.float32,
+                                                 attn_implementation=attn)
+    return isolation_check(model, batch.model_inputs(), batch.input_ids, batch.labels, batch.position_ids,
+                           tok.eos_token_id)
+
+
+def summarise(overrides: list[str], warmup: int, comm_step: int | None) -> dict:
+    records = [json.loads(line) for line in open(output_dir(overrides) / "metrics.jsonl")]
+    steps = [r for r in records if "tokens" in r]
+    if comm_step is not None:  # the counted step runs under a dispatch mode: not timed
+        steps = [r for r in steps if r["step"] < comm_step]
+    result = C.window_throughput([r["wall_time"] for r in steps], [r["tokens"] for r in steps], warmup,
+                                 [r["cpu_time"] for r in steps])
+    # llmtrain's own figure: tokens / step_time_s, which starts after the batch is fetched and collated
+    own = sorted(r["tokens_per_s"] for r in steps[warmup:])
+    result["self_reported_tokens_per_s_median"] = own[len(own) // 2]
+    timed = steps[warmup:]
+    result["self_reported_tokens_per_s_overall"] = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    result["step_time_fraction_of_loop"] = sum(r["step_time_s"] for r in timed) / result["measured_s"]
+    result["first_loss"], result["last_loss"] = steps[0]["loss"], steps[-1]["loss"]
+    memory = {k: v for r in records for k, v in r.items() if k.startswith("memory_")}
+    if memory:
+        result["logged_memory"] = memory
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--comm-step", type=int)
+    parser.add_argument("--check-packing", action="store_true")
+    parser.add_argument("--patch", default="", help=f"comma-separated prototypes: {', '.join(prototypes.PATCHES)}")
+    parser.add_argument("--profile")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    overrides = [o for o in args.overrides if o != "--"]
+    C.set_threads()
+    from llmtrain.__main__ import main as llmtrain_main
+
+    install_clock()
+    found: dict = {}
+    if args.comm_step:
+        install_comm_probe(args.comm_step, found)
+    applied = prototypes.apply([p for p in args.patch.split(",") if p])
+    start = time.perf_counter()
+    if args.profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        rc = profiler.runcall(llmtrain_main, overrides)
+        profiler.dump_stats(f"{args.profile}.rank{RANK}" if RANK else args.profile)
+    else:
+        rc = llmtrain_main(overrides)
+    result = {"rc": rc, "rank": RANK, "wall_s": time.perf_counter() - start, "patches": applied, **found}
+    if rc == 0 and RANK == 0:
+        result.update(summarise(overrides, args.warmup, args.comm_step))
+        if args.check_packing:
+            result["isolation"] = packing_check(overrides)
+    C.write_result(args.out if RANK == 0 else f"{args.out}.rank{RANK}", result)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

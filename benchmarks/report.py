@@ -1,0 +1,264 @@
+"""Summaries (median and spread over rounds), the targets of issue 5, the formulas, and markdown tables."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import common as C
+
+TARGETS = {"unpacked_vs_plain": 0.97, "packed_vs_trl_default": 1.3, "packed_vs_best_trl_packing": 1.0}
+TRL_PACKING = ("TRL padding_free", "TRL packing bfd", "TRL packing wrapped")
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise_cpu(runs: list[dict]) -> dict:
+    by_name = defaultdict(list)
+    for run in runs:
+        by_name[run["contender"]].append(run)
+    summary = {}
+    for name, rs in by_name.items():
+        ok = [r for r in rs if "tokens_per_s" in r["result"]]
+        if not ok:
+            summary[name] = {"error": rs[0].get("error", "failed")}
+            continue
+        first = next((r["result"] for r in ok if r["round"] == 0), ok[0]["result"])
+        summary[name] = {
+            "tokens_per_s": _spread([r["result"]["tokens_per_s"] for r in ok]),
+            "tokens_per_cpu_s": _spread([r["result"]["tokens_per_cpu_s"] for r in ok]),
+            "peak_rss_mb": _spread([r["peak_rss_mb"] for r in ok]),
+            "target_tokens_per_step": first["target_tokens_per_step"],
+            "first_loss": first.get("first_loss"), "last_loss": first.get("last_loss"),
+            "isolation": first.get("isolation"),
+            "self_reported_tokens_per_s": first.get("self_reported_tokens_per_s_median"),
+            "others_load_cores": statistics.mean(r["foreign_load_cores"] for r in ok),
+            "failed_runs": len(rs) - len(ok)}
+    summary["_targets"] = targets(summary)
+    return summary
+
+
+def summarise_prototypes(runs: list[dict]) -> dict:
+    """Each prototype against llmtrain as is, same layout (unpacked / packed), medians over rounds."""
+    summary = summarise_cpu(runs)
+    summary.pop("_targets", None)
+    for name, entry in summary.items():
+        base = name.split(":")[0] + ": as is"
+        for key in ("tokens_per_s", "tokens_per_cpu_s"):
+            b = _median(summary, base, key)
+            if b and key in entry:
+                entry[f"gain_{key}"] = entry[key]["median"] / b
+        if key in entry and base in summary and "tokens_per_s" in summary[base]:
+            entry["gain_tokens_per_s_best_round"] = entry["tokens_per_s"]["max"] / summary[base]["tokens_per_s"]["max"]
+    return summary
+
+
+def _median(summary: dict, name: str, key: str) -> float | None:
+    entry = summary.get(name) or {}
+    return entry[key]["median"] if key in entry else None
+
+
+def targets(summary: dict) -> dict:
+    """Each target on three estimators: median wall-clock tok/s, best round's wall-clock tok/s (the load of
+    others only ever slows a run down, so the best round is the least disturbed one), median tok/CPU-s."""
+    out = {}
+    for key, stat in (("tokens_per_s", "median"), ("tokens_per_s", "max"), ("tokens_per_cpu_s", "median")):
+        m = lambda name: (summary.get(name) or {}).get(key, {}).get(stat)  # noqa: E731
+        correct = {n: m(n) for n in TRL_PACKING if m(n) and (summary[n].get("isolation") or {}).get("isolated")}
+        best = max(correct, key=correct.get) if correct else None
+        checks = {}
+        if m("llmtrain unpacked") and m("plain loop"):
+            checks["unpacked_vs_plain"] = m("llmtrain unpacked") / m("plain loop")
+        if m("llmtrain packed") and m("TRL default"):
+            checks["packed_vs_trl_default"] = m("llmtrain packed") / m("TRL default")
+        if m("llmtrain packed") and best:
+            checks["packed_vs_best_trl_packing"] = m("llmtrain packed") / correct[best]
+        label = f"{key} ({'best round' if stat == 'max' else stat})"
+        out[label] = {k: {"ratio": v, "target": TARGETS[k], "met": v >= TARGETS[k]} for k, v in checks.items()}
+        out[label]["best_trl_packing_option (samples isolated)"] = best
+    return out
+
+
+# ---- backends: formulas (fp32 Adam: weights 4M, grads 4M, moments 8M; M parameters, N ranks) ----------------
+
+def tp_sharded_params() -> int:
+    """Parameters the tensor-parallel plan splits (q/k/v/o, gate/up/down of every block)."""
+    h, i, L = C.MODEL["hidden_size"], C.MODEL["intermediate_size"], C.MODEL["num_hidden_layers"]
+    kv = C.MODEL["num_key_value_heads"] * h // C.MODEL["num_attention_heads"]
+    return L * (2 * h * h + 2 * h * kv + 3 * h * i)
+
+
+def base_backend(name: str) -> str:
+    return name.split(" ")[0]
+
+
+def formula_state_bytes(backend: str, m: int, n: int) -> tuple[float, str]:
+    backend = base_backend(backend)
+    table = {"ddp": (16 * m, "16M"), "zero1": (8 * m + 8 * m / n, "4M + 4M + 8M/N"),
+             "zero2": (4 * m + 12 * m / n, "4M + 12M/N"), "zero3": (16 * m / n, "16M/N"),
+             "zero3_offload": (16 * m / n, "16M/N, all of it in host memory"), "fsdp2": (16 * m / n, "16M/N")}
+    if backend == "fsdp2_tp":
+        s = tp_sharded_params()
+        return 16 * (s / n + (m - s)), "16·(M_tp/t + M_rest), t=N (dp=1)"
+    return table[backend]
+
+
+def formula_comm_bytes(backend: str, m: int, tokens_per_rank: float) -> tuple[float, str]:
+    # tokens_per_rank: tokens the rank runs through the model in the counted step, padding included
+    backend = base_backend(backend)
+    """Payload bytes per step per rank (the full tensor of each collective), fp32."""
+    table = {"ddp": (4 * m, "all-reduce grads 4M"),
+             "zero1": (8 * m, "reduce grads 4M + all-gather params 4M"),
+             "zero2": (8 * m, "reduce-scatter grads 4M + all-gather params 4M"),
+             "zero3": (12 * m, "all-gather fwd 4M + bwd 4M + reduce-scatter 4M"),
+             "zero3_offload": (12 * m, "all-gather fwd 4M + bwd 4M + reduce-scatter 4M"),
+             "fsdp2": (12 * m, "all-gather fwd 4M + bwd 4M + reduce-scatter 4M (root kept unsharded: less)")}
+    if backend == "fsdp2_tp":
+        h, L = C.MODEL["hidden_size"], C.MODEL["num_hidden_layers"]
+        return 4 * L * tokens_per_rank * h * 4, ("TP (Megatron): 4 all-reduces of the (b·s·h) fp32 activations "
+                                                 "per block, 2 fwd + 2 bwd (dp=1)")
+    return table[backend]
+
+
+def summarise_backends(runs: list[dict], m: int, n: int, counted_step_tokens: int) -> dict:
+    """counted_step_tokens: tokens (padding included) of the whole global batch in the counted step."""
+    summary = {}
+    for run in runs:
+        name, res = run["contender"], run["result"]
+        if "tokens_per_s" not in res:
+            summary.setdefault(name, {"skipped": run.get("error", "failed")})
+            continue
+        ranks = [res] + run["other_ranks"]
+        entry = summary.setdefault(name, {"tokens_per_s": [], "tokens_per_cpu_s": [], "ranks": []})
+        entry.pop("skipped", None)
+        entry["tokens_per_s"].append(res["tokens_per_s"])
+        entry["tokens_per_cpu_s"].append(res["tokens_per_cpu_s"])
+        logged = res.get("logged_memory", {})
+        entry["ranks"] = [{
+            "peak_rss_mb": r.get("peak_rss_self_mb"),
+            "logged_model_state_bytes": {k.split("_", 2)[2]: v for k, v in logged.items()
+                                         if k.startswith(f"memory_r{r.get('rank', i)}_")} or None,
+            "live_tensor_bytes_before_update": sum((r.get("live_tensor_bytes_before_update") or {}).values()),
+            "comm_calls": r.get("comm_calls"), "comm_bytes": r.get("comm_bytes"),
+            "comm_bytes_total": sum((r.get("comm_bytes") or {}).values()),
+        } for i, r in enumerate(ranks)]
+        tokens_per_rank = counted_step_tokens / max(1, n // (2 if base_backend(name) == "fsdp2_tp" else 1))
+        entry["formula_state_bytes"], entry["formula_state"] = formula_state_bytes(name, m, n)
+        entry["formula_comm_bytes"], entry["formula_comm"] = formula_comm_bytes(name, m, tokens_per_rank)
+    for entry in summary.values():
+        if "tokens_per_s" in entry:
+            entry["tokens_per_s"] = _spread(entry["tokens_per_s"])
+            entry["tokens_per_cpu_s"] = _spread(entry["tokens_per_cpu_s"])
+    return summary
+
+
+# ---- tables ------------------------------------------------------------------------------------------
+
+def _mb(x) -> str:
+    return "–" if x is None else f"{x / 2**20:.2f}"
+
+
+def table(result: dict) -> str:
+    return {"cpu-small": cpu_table, "backends": backends_table, "prototypes": prototypes_table,
+            "gpu": gpu_table}[result["suite"]](result)
+
+
+def prototypes_table(result: dict) -> str:
+    lines = ["| llmtrain, with prototype | target tok/s (median) | min–max | gain (median) | gain (best round) "
+             "| target tok/CPU-s | gain | target tok/step | first / last loss | samples isolated? |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for name, e in result["summary"].items():
+        if "error" in e:
+            lines.append(f"| {name} | failed: {e['error'][:80]} | | | | | | | | |")
+            continue
+        t, c, iso = e["tokens_per_s"], e["tokens_per_cpu_s"], e.get("isolation")
+        lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {e.get('gain_tokens_per_s', 0):.2f}× "
+                     f"| {e.get('gain_tokens_per_s_best_round', 0):.2f}× "
+                     f"| {c['median']:,.0f} | {e.get('gain_tokens_per_cpu_s', 0):.2f}× | {e['target_tokens_per_step']:,.0f} "
+                     f"| {e['first_loss']:.6f} / {e['last_loss']:.6f} | "
+                     f"{'n/a' if not iso else ('yes' if iso['isolated'] else 'NO')} |")
+    return "\n".join(lines)
+
+
+def gpu_table(result: dict) -> str:
+    g = result["gpu"]
+    peak = f"{g['peak_bf16_flops'] / 1e12:.0f} TFLOP/s" if g["peak_bf16_flops"] else "unknown (pass --peak-tflops)"
+    lines = [f"{g['name']}: {g['parameters']:,} parameters, bf16 peak {peak}; MFU = {g['mfu_convention']}",
+             "", "| contender | target tok/s | min–max | model TFLOP/s | MFU | peak RSS MB |", "|---|---:|---:|---:|---:|---:|"]
+    for name, e in result["summary"].items():
+        if name.startswith("_") or "tokens_per_s" not in e:
+            continue
+        t = e["tokens_per_s"]
+        mfu = f"{100 * e['mfu']:.1f} %" if e.get("mfu") else "–"
+        lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {e['model_tflops']:.1f} | {mfu} "
+                     f"| {e['peak_rss_mb']['median']:,.0f} |")
+    return "\n".join(lines)
+
+
+def cpu_table(result: dict) -> str:
+    s = result["summary"]
+    base = _median(s, "plain loop", "tokens_per_s")
+    base_cpu = _median(s, "plain loop", "tokens_per_cpu_s")
+    lines = ["| contender | target tok/s (median) | min–max | × plain | target tok/CPU-s | × plain | peak RSS MB "
+             "| target tok/step | samples isolated? (packed − unpacked loss; max Δlogit) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, e in s.items():
+        if name.startswith("_"):
+            continue
+        if "error" in e:
+            lines.append(f"| {name} | failed: {e['error'][:80]} | | | | | | | |")
+            continue
+        t, c = e["tokens_per_s"], e["tokens_per_cpu_s"]
+        iso = e.get("isolation")
+        iso_text = "n/a (unpacked)" if not iso else (
+            f"{'yes' if iso['isolated'] else '**NO**'} ({iso['packed_loss'] - iso['unpacked_loss']:+.1e}; "
+            f"{iso['max_abs_logit_diff']:.1e})")
+        lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | "
+                     f"{t['median'] / base:.2f} | {c['median']:,.0f} | {c['median'] / base_cpu:.2f} | "
+                     f"{e['peak_rss_mb']['median']:,.0f} | {e['target_tokens_per_step']:,.0f} | {iso_text} |"
+                     if base and base_cpu else f"| {name} | {t['median']:,.0f} | | | | | | | |")
+    lines.append("")
+    for key, checks in s["_targets"].items():
+        for name, v in checks.items():
+            if isinstance(v, dict):
+                lines.append(f"- target {name} ({key}): {v['ratio']:.2f}× vs ≥ {v['target']}× → "
+                             f"{'met' if v['met'] else 'NOT met'}")
+        lines.append(f"- best TRL packing option with isolated samples ({key}): "
+                     f"{checks.get('best_trl_packing_option (samples isolated)')}")
+    return "\n".join(lines)
+
+
+STATE_ROLES = ("params", "master", "grads", "optim", "optimizer")
+
+
+def _logged_text(logged: dict | None) -> str:
+    """The roles a backend logs (DeepSpeed: params/master/grads/optim; FSDP2: params/grads/optimizer)."""
+    if not logged:
+        return "not logged"
+    roles = {k.removesuffix("_bytes"): v for k, v in logged.items()
+             if k.removesuffix("_bytes") in STATE_ROLES and isinstance(v, (int, float))}
+    parts = [f"{k} {_mb(v)}" for k, v in roles.items() if v]
+    return f"{_mb(sum(roles.values()))} ({', '.join(parts)})"
+
+
+def backends_table(result: dict) -> str:
+    lines = ["| backend | target tok/s | tok/CPU-s (rank 0) | peak RSS MB r0 / r1 | model-state bytes per rank, "
+             "logged by llmtrain (MiB) | live tensors before update r0 / r1 (MiB) | formula (MiB) "
+             "| collectives counted per step per rank (MiB payload) | formula (MiB) |",
+             "|---|---:|---:|---:|---|---:|---|---|---|"]
+    for name, e in result["summary"].items():
+        if "skipped" in e:
+            lines.append(f"| {name} | skipped: {e['skipped'][:120]} | | | | | | | |")
+            continue
+        ranks = e["ranks"]
+        rss = " / ".join(f"{r['peak_rss_mb']:,.0f}" for r in ranks)
+        logged_text = " / ".join(_logged_text(r["logged_model_state_bytes"]) for r in ranks)
+        live = " / ".join(_mb(r["live_tensor_bytes_before_update"]) for r in ranks)
+        comm = "; ".join(f"r{i}: " + ", ".join(f"{k} {r['comm_calls'][k]}× {_mb(v)}" for k, v in
+                                               sorted((r["comm_bytes"] or {}).items())) for i, r in enumerate(ranks))
+        lines.append(f"| {name} | {e['tokens_per_s']['median']:,.0f} | {e['tokens_per_cpu_s']['median']:,.0f} | {rss} "
+                     f"| {logged_text} | {live} | {_mb(e['formula_state_bytes'])} = {e['formula_state']} "
+                     f"| {comm} | {_mb(e['formula_comm_bytes'])} = {e['formula_comm']} |")
+    return "\n".join(lines)
