@@ -51,9 +51,9 @@ def install_comm_probe(step: int, found: dict) -> None:
 
     original = Trainer.train_step
 
-    def train_step(self, micro_batches):
+    def train_step(self, micro_batches, *args, **kwargs):  # (micro_batches[, start]): either trainer version
         if self.step + 1 != step:
-            return original(self, micro_batches)
+            return original(self, micro_batches, *args, **kwargs)
         engine = self.engine
         clip = engine.clip_grad_norm
 
@@ -65,7 +65,7 @@ def install_comm_probe(step: int, found: dict) -> None:
         counter = C.comm_counter()
         try:
             with counter:
-                record = original(self, micro_batches)
+                record = original(self, micro_batches, *args, **kwargs)
         finally:
             del engine.clip_grad_norm
         found["comm_calls"], found["comm_bytes"] = dict(counter.calls), dict(counter.bytes)
