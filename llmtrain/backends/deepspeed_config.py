@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmtrain.config import BackendConfig
+
+_SCHEMA = BackendConfig()
+
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 # DeepSpeed keys whose value comes from another llmtrain field (dotted path -> the field to set instead).
@@ -45,13 +49,14 @@ class DeepSpeedSettings:
     grad_accum_steps: int
     offload_optimizer: OffloadSettings = OffloadSettings()
     offload_param: OffloadSettings = OffloadSettings()
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
+    # defaults come from the config schema: one source of truth for `backend.*`
+    overlap_comm: bool = _SCHEMA.overlap_comm
+    contiguous_gradients: bool = _SCHEMA.contiguous_gradients
+    reduce_bucket_size: int = _SCHEMA.reduce_bucket_size
+    allgather_bucket_size: int = _SCHEMA.allgather_bucket_size
+    stage3_prefetch_bucket_size: int = _SCHEMA.stage3_prefetch_bucket_size
+    stage3_param_persistence_threshold: int = _SCHEMA.stage3_param_persistence_threshold
+    stage3_max_live_parameters: int = _SCHEMA.stage3_max_live_parameters
     overrides: dict = field(default_factory=dict)
     output_dir: str | None = None  # where deepspeed_config.json is written (rank 0)
 
