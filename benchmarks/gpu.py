@@ -57,9 +57,9 @@ def run_suite(args, work: Path, tmp: Path, info: dict) -> dict:
         def argv(out, first):
             run_dir = tempfile.mkdtemp(dir=tmp, prefix="gpu-")
             micro = GPU_BATCH_ROWS_PACKED if packed else GPU_BATCH_SAMPLES
-            return [sys.executable, str(T.HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(args.warmup), "--",
-                    *T.llmtrain_overrides(work, Path(run_dir), steps=steps, micro_batch=micro, packing=packed,
-                                          model_dir=model_dir, precision="bf16", extra=("device=cuda",))]
+            return T.llmtrain_worker_argv(out, args.warmup, T.llmtrain_overrides(
+                work, Path(run_dir), steps=steps, micro_batch=micro, packing=packed, model_dir=model_dir,
+                precision="bf16", extra=("device=cuda",)))
         return argv
 
     contenders = {

@@ -2,7 +2,8 @@
 `python -m llmtrain`) in this process, with measurement added around it and nothing in its hot path:
 
     python benchmarks/llmtrain_worker.py --out R.json --warmup W [--comm-step K] [--check-packing]
-        [--patch NAME,...] [--profile F.prof] -- recipe=... key=value ...
+        [--profile F.prof] -- recipe=... key=value ...
+    PYTHONPATH=/path/to/an/older/checkout python benchmarks/llmtrain_worker.py ...   # that checkout's llmtrain
     torchrun --standalone --nproc_per_node 2 benchmarks/llmtrain_worker.py ... -- ... backend=zero2
 
 - each metrics.jsonl step record gets `wall_time` / `cpu_time` (perf_counter / process_time when rank 0
@@ -11,9 +12,14 @@
 - `--comm-step K`: during optimizer step K the collectives of this rank are counted (a dispatch mode
   over the c10d ops) and its live tensor bytes taken just before the update; that step is slower and is
   left out of the throughput window (make K the last step);
-- `--patch`: prototypes of proposed llmtrain changes, applied by monkeypatching this process only
-  (see PATCHES); `--profile`: cProfile of the whole run;
-- each rank writes its own peak RSS (R.json on rank 0, R.json.rank<r> on the others).
+- `--profile`: cProfile of the whole run;
+- each rank writes its own peak RSS and `llmtrain.__file__` (R.json on rank 0, R.json.rank<r> on the
+  others): whichever llmtrain `import llmtrain` finds runs, and the result says which one it was.
+
+It works with llmtrain both before and after the batch API change that followed eff726e (collate no
+longer builds the packed mask, `Batch.for_attention` does; `num_target_tokens()` became `num_targets`):
+it only calls `collate`, `run.batch_preparer` (the same signature in both, the mask or attention inputs
+made there) and `models.load.resolve_attn_implementation`, and wraps `Trainer.train_step` either way.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
-import prototypes  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -97,12 +102,18 @@ def packing_check(overrides: list[str]) -> dict:
     from llmtrain.models import load
     from transformers import AutoModelForCausalLM
 
-    attn = load.resolve_attn_implementation("auto", torch.device("cpu"))  # sdpa, or a prototype's attention
-    batch = batch_preparer(torch.device("cpu"), "fp32", attn)(batch)
+    # what the run trained with: "sdpa" with collate's dense block mask (eff726e and before), or llmtrain's own
+    # "sdpa_segments" (registered with transformers by name; the batch carries the sample lengths)
+    attn = load.resolve_attn_implementation("auto", torch.device("cpu"))
+    register = getattr(load, "register_segment_attention", None)
+    if register is not None:
+        register()
+    batch = batch_preparer(torch.device("cpu"), "fp32", attn)(batch)  # old: the mask in fp32; new: for_attention
     model = AutoModelForCausalLM.from_pretrained(output_dir(overrides) / "hf", dtype=torch.float32,
                                                  attn_implementation=attn)
-    return isolation_check(model, batch.model_inputs(), batch.input_ids, batch.labels, batch.position_ids,
-                           tok.eos_token_id)
+    found = isolation_check(model, batch.model_inputs(), batch.input_ids, batch.labels, batch.position_ids,
+                            tok.eos_token_id)
+    return dict(found, attn_implementation=attn)
 
 
 def summarise(overrides: list[str], warmup: int, comm_step: int | None) -> dict:
@@ -131,19 +142,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--comm-step", type=int)
     parser.add_argument("--check-packing", action="store_true")
-    parser.add_argument("--patch", default="", help=f"comma-separated prototypes: {', '.join(prototypes.PATCHES)}")
     parser.add_argument("--profile")
     parser.add_argument("overrides", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     overrides = [o for o in args.overrides if o != "--"]
     C.set_threads()
+    import llmtrain
     from llmtrain.__main__ import main as llmtrain_main
 
     install_clock()
     found: dict = {}
     if args.comm_step:
         install_comm_probe(args.comm_step, found)
-    applied = prototypes.apply([p for p in args.patch.split(",") if p])
     start = time.perf_counter()
     if args.profile:
         import cProfile
@@ -152,7 +162,8 @@ def main() -> None:
         profiler.dump_stats(f"{args.profile}.rank{RANK}" if RANK else args.profile)
     else:
         rc = llmtrain_main(overrides)
-    result = {"rc": rc, "rank": RANK, "wall_s": time.perf_counter() - start, "patches": applied, **found}
+    result = {"rc": rc, "rank": RANK, "wall_s": time.perf_counter() - start, "llmtrain_file": llmtrain.__file__,
+              **found}
     if rc == 0 and RANK == 0:
         result.update(summarise(overrides, args.warmup, args.comm_step))
         if args.check_packing:

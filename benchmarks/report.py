@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import common as C
 
@@ -15,7 +16,9 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarise_cpu(runs: list[dict]) -> dict:
+def summarise_runs(runs: list[dict]) -> dict:
+    """Per contender: medians and spread over rounds; losses, target tokens per step and the packing check
+    from its round-0 run."""
     by_name = defaultdict(list)
     for run in runs:
         by_name[run["contender"]].append(run)
@@ -34,24 +37,38 @@ def summarise_cpu(runs: list[dict]) -> dict:
             "first_loss": first.get("first_loss"), "last_loss": first.get("last_loss"),
             "isolation": first.get("isolation"),
             "self_reported_tokens_per_s": first.get("self_reported_tokens_per_s_median"),
+            "llmtrain_file": first.get("llmtrain_file"),
             "others_load_cores": statistics.mean(r["foreign_load_cores"] for r in ok),
             "failed_runs": len(rs) - len(ok)}
+    return summary
+
+
+def summarise_cpu(runs: list[dict]) -> dict:
+    summary = summarise_runs(runs)
     summary["_targets"] = targets(summary)
     return summary
 
 
-def summarise_prototypes(runs: list[dict]) -> dict:
-    """Each prototype against llmtrain as is, same layout (unpacked / packed), medians over rounds."""
-    summary = summarise_cpu(runs)
-    summary.pop("_targets", None)
+def baseline_name(rev: str, layout: str) -> str:
+    """--suite compare: the contender running llmtrain at `rev`; its counterpart is `llmtrain <layout>`."""
+    return f"llmtrain@{rev} {layout}"
+
+
+def summarise_compare(runs: list[dict]) -> dict:
+    """llmtrain now against llmtrain at the baseline, same layout: gains by the median and by the best round
+    (others' load only ever slows a run down) of wall-clock tok/s, and by the median of tok/CPU-s."""
+    summary = summarise_runs(runs)
     for name, entry in summary.items():
-        base = name.split(":")[0] + ": as is"
-        for key in ("tokens_per_s", "tokens_per_cpu_s"):
-            b = _median(summary, base, key)
-            if b and key in entry:
-                entry[f"gain_{key}"] = entry[key]["median"] / b
-        if key in entry and base in summary and "tokens_per_s" in summary[base]:
-            entry["gain_tokens_per_s_best_round"] = entry["tokens_per_s"]["max"] / summary[base]["tokens_per_s"]["max"]
+        if not name.startswith("llmtrain@"):
+            continue
+        current = summary.get("llmtrain " + name.split(" ", 1)[1], {})
+        for key, stat in (("tokens_per_s", "median"), ("tokens_per_s", "max"), ("tokens_per_cpu_s", "median")):
+            if key in entry and key in current:
+                label = f"gain_{key}" + ("_best_round" if stat == "max" else "")
+                entry[label] = 1.0
+                current[label] = current[key][stat] / entry[key][stat]
+        if "tokens_per_s" in current:
+            current["baseline"] = name
     return summary
 
 
@@ -161,24 +178,53 @@ def _mb(x) -> str:
 
 
 def table(result: dict) -> str:
-    return {"cpu-small": cpu_table, "backends": backends_table, "prototypes": prototypes_table,
+    return {"cpu-small": cpu_table, "compare": compare_table, "backends": backends_table,
             "gpu": gpu_table}[result["suite"]](result)
 
 
-def prototypes_table(result: dict) -> str:
-    lines = ["| llmtrain, with prototype | target tok/s (median) | min–max | gain (median) | gain (best round) "
-             "| target tok/CPU-s | gain | target tok/step | first / last loss | samples isolated? |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+def _header(*columns: str) -> list[str]:
+    """A markdown table's first two lines; a column named with a trailing ':' is right-aligned."""
+    names = [c.rstrip(":") for c in columns]
+    return ["| " + " | ".join(names) + " |", "|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|"]
+
+
+def _failed_row(name: str, why: str, columns: int) -> str:
+    return f"| {name} | {why} |" + " |" * (columns - 2)
+
+
+def _isolation_text(iso: dict | None) -> str:
+    if not iso:
+        return "n/a (unpacked)"
+    return (f"{'yes' if iso['isolated'] else '**NO**'} ({iso['packed_loss'] - iso['unpacked_loss']:+.1e}; "
+            f"{iso['max_abs_logit_diff']:.1e})")
+
+
+COMPARE_COLUMNS = ("contender", "llmtrain imported from", "target tok/s (median):", "min–max:", "gain (median):",
+                   "gain (best round):", "target tok/CPU-s (median):", "gain:", "peak RSS MB:", "target tok/step:",
+                   "first / last loss", "samples isolated? (packed − unpacked loss; max Δlogit)")
+
+
+def compare_table(result: dict) -> str:
+    base = result["baseline"]
+    lines = [f"Baseline: llmtrain at `{base['rev']}` ({base['commit'][:12]}); current: the working tree at "
+             f"{result['machine']['commit'][:12]} (uncommitted llmtrain/ changes: "
+             f"{result['machine']['uncommitted_llmtrain_changes'] or 'none'}). Gains: current over baseline, "
+             "same layout.", "",
+             *_header(*COMPARE_COLUMNS)]
     for name, e in result["summary"].items():
         if "error" in e:
-            lines.append(f"| {name} | failed: {e['error'][:80]} | | | | | | | | |")
+            lines.append(_failed_row(name, f"failed: {e['error'][:80]}", len(COMPARE_COLUMNS)))
             continue
-        t, c, iso = e["tokens_per_s"], e["tokens_per_cpu_s"], e.get("isolation")
-        lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {e.get('gain_tokens_per_s', 0):.2f}× "
-                     f"| {e.get('gain_tokens_per_s_best_round', 0):.2f}× "
-                     f"| {c['median']:,.0f} | {e.get('gain_tokens_per_cpu_s', 0):.2f}× | {e['target_tokens_per_step']:,.0f} "
-                     f"| {e['first_loss']:.6f} / {e['last_loss']:.6f} | "
-                     f"{'n/a' if not iso else ('yes' if iso['isolated'] else 'NO')} |")
+        t, c = e["tokens_per_s"], e["tokens_per_cpu_s"]
+        gain = lambda key: f"{e[key]:.2f}×" if key in e else "–"  # noqa: E731
+        source = str(Path(e["llmtrain_file"]).parent.parent) if e.get("llmtrain_file") else "?"
+        lines.append(f"| {name} | {source} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} "
+                     f"| {gain('gain_tokens_per_s')} | {gain('gain_tokens_per_s_best_round')} | {c['median']:,.0f} "
+                     f"| {gain('gain_tokens_per_cpu_s')} | {e['peak_rss_mb']['median']:,.0f} "
+                     f"| {e['target_tokens_per_step']:,.0f} | {e['first_loss']:.6f} / {e['last_loss']:.6f} "
+                     f"| {_isolation_text(e.get('isolation'))} |")
+    lines += ["", "- every run imported llmtrain from the directory its contender names (checked): " +
+              "; ".join(f"{name}: {where}" for name, where in base["imports"].items())]
     return "\n".join(lines)
 
 
@@ -197,28 +243,27 @@ def gpu_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+CPU_COLUMNS = ("contender", "target tok/s (median):", "min–max:", "× plain:", "target tok/CPU-s:", "× plain:",
+               "peak RSS MB:", "target tok/step:", "samples isolated? (packed − unpacked loss; max Δlogit)")
+
+
 def cpu_table(result: dict) -> str:
     s = result["summary"]
     base = _median(s, "plain loop", "tokens_per_s")
     base_cpu = _median(s, "plain loop", "tokens_per_cpu_s")
-    lines = ["| contender | target tok/s (median) | min–max | × plain | target tok/CPU-s | × plain | peak RSS MB "
-             "| target tok/step | samples isolated? (packed − unpacked loss; max Δlogit) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = _header(*CPU_COLUMNS)
     for name, e in s.items():
         if name.startswith("_"):
             continue
         if "error" in e:
-            lines.append(f"| {name} | failed: {e['error'][:80]} | | | | | | | |")
+            lines.append(_failed_row(name, f"failed: {e['error'][:80]}", len(CPU_COLUMNS)))
             continue
         t, c = e["tokens_per_s"], e["tokens_per_cpu_s"]
-        iso = e.get("isolation")
-        iso_text = "n/a (unpacked)" if not iso else (
-            f"{'yes' if iso['isolated'] else '**NO**'} ({iso['packed_loss'] - iso['unpacked_loss']:+.1e}; "
-            f"{iso['max_abs_logit_diff']:.1e})")
         lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | "
                      f"{t['median'] / base:.2f} | {c['median']:,.0f} | {c['median'] / base_cpu:.2f} | "
-                     f"{e['peak_rss_mb']['median']:,.0f} | {e['target_tokens_per_step']:,.0f} | {iso_text} |"
-                     if base and base_cpu else f"| {name} | {t['median']:,.0f} | | | | | | | |")
+                     f"{e['peak_rss_mb']['median']:,.0f} | {e['target_tokens_per_step']:,.0f} | "
+                     f"{_isolation_text(e.get('isolation'))} |"
+                     if base and base_cpu else f"| {name} | {t['median']:,.0f} |" + " |" * (len(CPU_COLUMNS) - 2))
     lines.append("")
     for key, checks in s["_targets"].items():
         for name, v in checks.items():
@@ -243,14 +288,16 @@ def _logged_text(logged: dict | None) -> str:
     return f"{_mb(sum(roles.values()))} ({', '.join(parts)})"
 
 
+BACKEND_COLUMNS = ("backend", "target tok/s:", "tok/CPU-s (rank 0):", "peak RSS MB r0 / r1:",
+                   "model-state bytes per rank, logged by llmtrain (MiB)", "live tensors before update r0 / r1 (MiB):",
+                   "formula (MiB)", "collectives counted per step per rank (MiB payload)", "formula (MiB)")
+
+
 def backends_table(result: dict) -> str:
-    lines = ["| backend | target tok/s | tok/CPU-s (rank 0) | peak RSS MB r0 / r1 | model-state bytes per rank, "
-             "logged by llmtrain (MiB) | live tensors before update r0 / r1 (MiB) | formula (MiB) "
-             "| collectives counted per step per rank (MiB payload) | formula (MiB) |",
-             "|---|---:|---:|---:|---|---:|---|---|---|"]
+    lines = _header(*BACKEND_COLUMNS)
     for name, e in result["summary"].items():
         if "skipped" in e:
-            lines.append(f"| {name} | skipped: {e['skipped'][:120]} | | | | | | | |")
+            lines.append(_failed_row(name, f"skipped: {e['skipped'][:120]}", len(BACKEND_COLUMNS)))
             continue
         ranks = e["ranks"]
         rss = " / ".join(f"{r['peak_rss_mb']:,.0f}" for r in ranks)

@@ -1,6 +1,8 @@
-"""Throughput and memory of llmtrain side by side with a plain PyTorch loop, HF Trainer and TRL, and per backend.
+"""Throughput and memory of llmtrain side by side with a plain PyTorch loop, HF Trainer and TRL, with an earlier
+llmtrain, and per backend.
 
     python benchmarks/throughput.py --suite cpu-small            # ~5 min on 2 CPU cores
+    python benchmarks/throughput.py --suite compare              # llmtrain at --baseline REV against this working tree
     python benchmarks/throughput.py --suite backends --nproc 2   # DDP, ZeRO-1/2/3, ZeRO-3 offload, FSDP2, FSDP2+TP
     python benchmarks/throughput.py --suite gpu                  # MFU; exits with a message without a GPU
 
@@ -15,6 +17,7 @@ each contender's own batches. Results: benchmarks/results/<suite>.json, the tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -96,6 +99,14 @@ def prepare(work: Path) -> dict:
 
 # ---- llmtrain command lines ------------------------------------------------------------------------------
 
+def bench_env(threads: int, **extra: str) -> dict:
+    """The environment of every contender process: `threads` torch/OpenMP threads, no progress bars or
+    warnings on the log."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+                HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
+                **extra)
+
+
 def llmtrain_overrides(work: Path, out_dir: Path, *, steps: int, micro_batch: int, packing: bool,
                        extra: tuple[str, ...] = (), model_dir: Path | None = None, precision: str = "fp32") -> list[str]:
     o = C.OPTIM
@@ -110,87 +121,45 @@ def llmtrain_overrides(work: Path, out_dir: Path, *, steps: int, micro_batch: in
             f"output_dir={out_dir}", *extra]
 
 
-# ---- cpu-small ---------------------------------------------------------------------------------------------
+def llmtrain_worker_argv(out: str, warmup: int, overrides: list[str], *, flags: tuple[str, ...] = (),
+                         launcher: tuple[str, ...] = (PY,)) -> list[str]:
+    """llmtrain_worker.py (llmtrain's own entry point, timed) under `launcher` (python, or torchrun ...)."""
+    return [*launcher, str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(warmup), *flags, "--", *overrides]
 
-def cpu_contenders(args, work: Path, tmp: Path) -> dict:
+
+def llmtrain_contender(args, work: Path, tmp: Path, packed: bool):
+    """One process of llmtrain on cpu-small's model, data and global batch; its first run checks that the
+    packed samples stay apart. Which llmtrain it imports is up to the environment (see suite_compare)."""
     steps = args.warmup + args.steps
-    common = ["--work", str(work), "--steps", str(steps), "--warmup", str(args.warmup)]
+    micro = C.GLOBAL_BATCH_ROWS_PACKED if packed else C.GLOBAL_BATCH_SAMPLES
 
-    def worker(*extra):
-        return lambda out, first: [PY, str(HERE / "workers.py"), *extra, *common, "--out", out] + \
-            (["--check"] if first and "trl" in extra and any(v in extra for v in PACKED_TRL) else [])
-
-    def llmtrain(packed: bool, patches: str = ""):
-        def argv(out, first):
-            flags = (["--check-packing"] if packed and first else []) + (["--patch", patches] if patches else [])
-            run_dir = tempfile.mkdtemp(dir=tmp, prefix="run-")
-            micro = C.GLOBAL_BATCH_ROWS_PACKED if packed else C.GLOBAL_BATCH_SAMPLES
-            return [PY, str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(args.warmup), *flags, "--",
-                    *llmtrain_overrides(work, Path(run_dir), steps=steps, micro_batch=micro, packing=packed)]
-        return argv
-
-    contenders = {
-        "plain loop": worker("plain"),
-        "llmtrain unpacked": llmtrain(False),
-        "llmtrain packed": llmtrain(True),
-        "HF Trainer": worker("hf"),
-        "TRL default": worker("trl", "--variant", "default"),
-        "TRL padding_free": worker("trl", "--variant", "padding_free"),
-        "TRL packing bfd": worker("trl", "--variant", "packing_bfd"),
-        "TRL packing wrapped": worker("trl", "--variant", "packing_wrapped"),
-    }
-    if args.all:  # TRL's default except gradient checkpointing (TRL turns it on by default; the others do not)
-        contenders["TRL default, no grad ckpt"] = worker("trl", "--variant", "default_nogc")
-    if args.prototypes:
-        contenders["llmtrain unpacked + prototypes"] = llmtrain(False, args.prototypes)
-        contenders["llmtrain packed + prototypes"] = llmtrain(True, args.prototypes)
-    if args.only:
-        contenders = {k: v for k, v in contenders.items() if any(o.lower() in k.lower() for o in args.only)}
-    return contenders
+    def argv(out: str, first: bool) -> list[str]:
+        run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix="run-"))
+        return llmtrain_worker_argv(out, args.warmup, llmtrain_overrides(work, run_dir, steps=steps, micro_batch=micro,
+                                                                         packing=packed),
+                                    flags=("--check-packing",) if packed and first else ())
+    return argv
 
 
-PACKED_TRL = ("padding_free", "packing_bfd", "packing_wrapped")
+def selected(contenders: dict, only: list[str] | None) -> dict:
+    """--only: the contenders whose name contains one of the words."""
+    if not only:
+        return contenders
+    return {k: v for k, v in contenders.items() if any(o.lower() in k.lower() for o in only)}
 
 
-PROTOTYPE_SETS = {  # --suite prototypes: each proposed change alone, then together (see prototypes.py)
-    False: ["", "segment_attention", "plain_console", "single_process_no_ddp",
-            "segment_attention,plain_console,single_process_no_ddp"],
-    True: ["", "segment_attention", "bfd_packing", "segment_attention,bfd_packing,plain_console,single_process_no_ddp"],
-}
-
-
-def prototype_contenders(args, work: Path, tmp: Path) -> dict:
-    steps = args.warmup + args.steps
-    contenders = {}
-    for packed, sets in PROTOTYPE_SETS.items():
-        for patches in sets:
-            def argv(out, first, packed=packed, patches=patches):
-                run_dir = tempfile.mkdtemp(dir=tmp, prefix="run-")
-                micro = C.GLOBAL_BATCH_ROWS_PACKED if packed else C.GLOBAL_BATCH_SAMPLES
-                flags = (["--patch", patches] if patches else []) + (["--check-packing"] if first and packed else [])
-                return [PY, str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(args.warmup), *flags,
-                        "--", *llmtrain_overrides(work, Path(run_dir), steps=steps, micro_batch=micro, packing=packed)]
-            label = "all" if patches.count(",") >= 2 else (patches or "as is")
-            contenders[f"llmtrain {'packed' if packed else 'unpacked'}: {label}"] = argv
-    return contenders
-
-
-def suite_prototypes(args, work: Path, tmp: Path, info: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    runs = run_rounds(prototype_contenders(args, work, tmp), args, tmp, env, suite_timeout=600)
-    return {"runs": runs, "summary": report.summarise_prototypes(runs)}
-
-
-def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: float) -> list[dict]:
+def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: float,
+               envs: dict[str, dict] | None = None) -> list[dict]:
+    """Every contender once per round, in an order rotated each round; envs: a contender's own environment."""
     runs, names = [], list(contenders)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no contender always runs first
         for name in order:
-            out = tmp / f"{name.replace(' ', '_').replace(',', '').replace('+', 'p')}-{r}.json"
+            out = tmp / f"{name.replace(' ', '_').replace(',', '').replace('+', 'p').replace('@', '_at_')}-{r}.json"
             argv = contenders[name](str(out), r == 0)
             waited = wait_for_quiet(args.quiet_wait) if args.quiet_wait else 0.0
-            proc = dict(run_process(argv, env, out.with_suffix(".log"), suite_timeout), waited_for_quiet_s=waited)
+            proc = dict(run_process(argv, (envs or {}).get(name, env), out.with_suffix(".log"), suite_timeout),
+                        waited_for_quiet_s=waited)
             result = json.loads(out.read_text()) if out.exists() else {}
             ranks = sorted(out.parent.glob(out.name + ".rank*"))
             run = {"contender": name, "round": r, **proc, "result": result,
@@ -205,46 +174,116 @@ def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: floa
     return runs
 
 
+# ---- cpu-small ---------------------------------------------------------------------------------------------
+
+PACKED_TRL = ("padding_free", "packing_bfd", "packing_wrapped")
+
+
+def cpu_contenders(args, work: Path, tmp: Path) -> dict:
+    steps = args.warmup + args.steps
+    common = ["--work", str(work), "--steps", str(steps), "--warmup", str(args.warmup)]
+
+    def worker(*extra):
+        return lambda out, first: [PY, str(HERE / "workers.py"), *extra, *common, "--out", out] + \
+            (["--check"] if first and "trl" in extra and any(v in extra for v in PACKED_TRL) else [])
+
+    contenders = {
+        "plain loop": worker("plain"),
+        "llmtrain unpacked": llmtrain_contender(args, work, tmp, packed=False),
+        "llmtrain packed": llmtrain_contender(args, work, tmp, packed=True),
+        "HF Trainer": worker("hf"),
+        "TRL default": worker("trl", "--variant", "default"),
+        "TRL padding_free": worker("trl", "--variant", "padding_free"),
+        "TRL packing bfd": worker("trl", "--variant", "packing_bfd"),
+        "TRL packing wrapped": worker("trl", "--variant", "packing_wrapped"),
+    }
+    if args.all:  # TRL's default except gradient checkpointing (TRL turns it on by default; the others do not)
+        contenders["TRL default, no grad ckpt"] = worker("trl", "--variant", "default_nogc")
+    return selected(contenders, args.only)
+
+
 def suite_cpu_small(args, work: Path, tmp: Path, info: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    runs = run_rounds(cpu_contenders(args, work, tmp), args, tmp, env, suite_timeout=600)
+    runs = run_rounds(cpu_contenders(args, work, tmp), args, tmp, bench_env(args.threads), suite_timeout=600)
     return {"runs": runs, "summary": report.summarise_cpu(runs)}
+
+
+# ---- compare: llmtrain at a baseline commit against llmtrain of this working tree ---------------------------
+
+@contextlib.contextmanager
+def baseline_checkout(rev: str, path: Path):
+    """A detached `git worktree` of `rev` at `path` (its llmtrain/, conf/ and recipes/ as committed), removed
+    afterwards; yields the full commit id."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=C.REPO, check=True, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    git("worktree", "add", "--detach", str(path), commit)
+    try:
+        yield commit
+    finally:
+        done = subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=C.REPO, capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            print(f"warning: could not remove the worktree {path}: {done.stderr.strip()}", flush=True)
+
+
+def imported_from(runs: list[dict], expected: dict[str, Path]) -> dict:
+    """Each run's `llmtrain.__file__` (every rank) against the package dir its contender must import."""
+    wrong = []
+    for run in runs:
+        for res in [run["result"], *run["other_ranks"]]:
+            found = res.get("llmtrain_file")
+            if res and (found is None or not Path(found).resolve().is_relative_to(expected[run["contender"]].resolve())):
+                wrong.append(f"{run['contender']} round {run['round']}: imported {found}, not from "
+                             f"{expected[run['contender']]}")
+    if wrong:
+        raise SystemExit("suite compare: a contender ran the wrong llmtrain:\n  " + "\n  ".join(wrong))
+    return {name: str(path) for name, path in expected.items()}
+
+
+def suite_compare(args, work: Path, tmp: Path, info: dict) -> dict:
+    """llmtrain at --baseline and llmtrain of this working tree, alternately, unpacked and packed, on
+    cpu-small's model, data and batch. The baseline runs the same worker with PYTHONPATH on a worktree of
+    the baseline commit, so `import llmtrain` there is the old package (checked on every run)."""
+    rev = args.baseline
+    base_dir = tmp / f"llmtrain-{rev}"
+    env = bench_env(args.threads)
+    env.pop("PYTHONPATH", None)  # the working tree's llmtrain: the editable install of this checkout
+    with baseline_checkout(rev, base_dir) as commit:
+        contenders, envs, expected = {}, {}, {}
+        for layout, packed in (("unpacked", False), ("packed", True)):
+            old, new = report.baseline_name(rev, layout), f"llmtrain {layout}"
+            contenders[old] = contenders[new] = llmtrain_contender(args, work, tmp, packed)
+            envs[old] = bench_env(args.threads, PYTHONPATH=str(base_dir))
+            expected[old], expected[new] = base_dir / "llmtrain", C.REPO / "llmtrain"
+        contenders = selected(contenders, args.only)
+        runs = run_rounds(contenders, args, tmp, env, suite_timeout=600, envs=envs)
+    imports = imported_from(runs, {name: expected[name] for name in contenders})
+    return {"runs": runs, "baseline": {"rev": rev, "commit": commit, "imports": imports},
+            "summary": report.summarise_compare(runs)}
 
 
 # ---- backends ----------------------------------------------------------------------------------------------
 
 BACKENDS = ["ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_tp"]
-# Proposed settings, measured next to the presets (--backends-extra): (backend, overrides, prototype patches)
-BACKEND_VARIANTS = {
-    "ddp + gradient_as_bucket_view (prototype)": ("ddp", (), "ddp_bucket_view"),
-    "zero2 + use_multi_rank_bucket_allreduce=false": (
-        "zero2", ("backend.ds_config_overrides={zero_optimization:{use_multi_rank_bucket_allreduce:false}}",), ""),
-}
 
 
 def suite_backends(args, work: Path, tmp: Path, info: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     steps = args.warmup + args.steps + 1  # + the step whose collectives are counted (not timed)
     contenders = {}
-    chosen = {b: (b, (), "") for b in (args.backends or BACKENDS)}
-    if args.backends_extra:
-        chosen.update(BACKEND_VARIANTS)
-    for name, (backend, extra, patches) in chosen.items():
-        tp = 2 if backend == "fsdp2_tp" else 1
-        dp = args.nproc // tp
+    for backend in args.backends or BACKENDS:
+        dp = args.nproc // (2 if backend == "fsdp2_tp" else 1)
         micro = C.GLOBAL_BATCH_SAMPLES // dp
 
-        def argv(out, first, backend=backend, micro=micro, extra=extra, patches=patches):
-            run_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{backend}-")
-            return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-                    str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(args.warmup),
-                    "--comm-step", str(steps), *(["--patch", patches] if patches else []), "--",
-                    *llmtrain_overrides(work, Path(run_dir), steps=steps, micro_batch=micro, packing=False,
-                                        extra=(f"backend={backend}", *extra))]
-        contenders[name] = argv
-    runs = run_rounds(contenders, args, tmp, env, suite_timeout=300)
+        def argv(out, first, backend=backend, micro=micro):
+            run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{backend}-"))
+            overrides = llmtrain_overrides(work, run_dir, steps=steps, micro_batch=micro, packing=False,
+                                           extra=(f"backend={backend}",))
+            return llmtrain_worker_argv(out, args.warmup, overrides, flags=("--comm-step", str(steps)),
+                                        launcher=(PY, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc_per_node", str(args.nproc)))
+        contenders[backend] = argv
+    runs = run_rounds(contenders, args, tmp, bench_env(1), suite_timeout=300)
     counted = C.padded_tokens_of_step(steps - 1, C.GLOBAL_BATCH_SAMPLES)
     return {"runs": runs, "summary": report.summarise_backends(runs, info["parameters"], args.nproc, counted)}
 
@@ -289,19 +328,18 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["cpu-small", "backends", "gpu", "prototypes"], required=True)
+    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu"], required=True)
+    parser.add_argument("--baseline", default="eff726e",
+                        help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
+                             "last commit before per-sample attention, best-fit packing and the DDP changes)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --suite backends")
-    parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small), 1 (backends)")
+    parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small, compare, gpu), 1 (backends)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default: 5 cpu-small, 4 backends)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per contender (cpu-small)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default: 5; backends 4, gpu 20)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per contender (cpu-small, compare)")
     parser.add_argument("--only", nargs="*", help="contenders whose name contains one of these words")
     parser.add_argument("--backends", nargs="*", choices=BACKENDS)
     parser.add_argument("--all", action="store_true", help="cpu-small: also TRL's default without gradient checkpointing")
-    parser.add_argument("--backends-extra", action="store_true",
-                        help="backends suite: also the proposed settings in BACKEND_VARIANTS")
-    parser.add_argument("--prototypes", default="", help="also run llmtrain with these prototype patches "
-                                                           "(comma-separated names from prototypes.py)")
     parser.add_argument("--peak-tflops", type=float, help="gpu suite: the device's dense bf16 peak, if not known")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each run wait up to this many seconds for the machine's other load to drop "
@@ -310,8 +348,8 @@ def main() -> None:
     args = parser.parse_args()
     args.rounds = args.rounds or {"backends": 1, "gpu": 3}.get(args.suite, 3)
     args.steps = args.steps or {"backends": 4, "gpu": 20}.get(args.suite, 5)
-    suite = {"cpu-small": suite_cpu_small, "backends": suite_backends, "gpu": suite_gpu,
-             "prototypes": suite_prototypes}[args.suite]
+    suite = {"cpu-small": suite_cpu_small, "compare": suite_compare, "backends": suite_backends,
+             "gpu": suite_gpu}[args.suite]
     if args.suite == "gpu" and gpu_missing():
         return
     started = time.time()
