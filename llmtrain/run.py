@@ -193,15 +193,12 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
 
 
 def batch_preparer(device: torch.device, precision: str, attn_implementation: str):
-    """Move a batch to the device with the mask form its attention needs: varlen (no mask) for
-    flash-attention, else the packed float mask in the compute dtype (sdpa wants them equal)."""
+    """Move a batch to the device with the attention inputs its attention reads (a dense packed mask, when
+    one is needed, in the compute dtype: sdpa wants them equal)."""
     mask_dtype = autocast_dtype(precision) or torch.float32
 
     def prepare(batch):
-        batch = batch.to(device, non_blocking=device.type == "cuda")
-        if attn_implementation.startswith("flash_attention"):
-            return batch.for_varlen_attention()
-        return batch.with_mask_dtype(mask_dtype)
+        return batch.to(device, non_blocking=device.type == "cuda").for_attention(attn_implementation, mask_dtype)
 
     return prepare
 

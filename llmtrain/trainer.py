@@ -68,6 +68,7 @@ class Trainer:
         if self.step == 0 and self.eval_batches is not None and self.s.eval_every_n_steps > 0:
             self._emit(self.evaluate())
         memory_pending = hasattr(self.engine, "model_state_bytes")  # logged once the optimizer state exists
+        tokens, seconds = 0, 0.0
         while self.step < self.s.max_steps:
             start = time.perf_counter()  # the step's clock includes fetching and collating its batches
             micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
@@ -77,15 +78,19 @@ class Trainer:
                                               self.ctx.device))
                 memory_pending = False
             self._emit(record)
+            tokens, seconds = tokens + record["tokens"], seconds + record["step_time_s"]
             last = self.step == self.s.max_steps
             if self.eval_batches is not None and (last or _due(self.step, self.s.eval_every_n_steps)):
                 self._emit(self.evaluate())
             if last or _due(self.step, self.s.save_every_n_steps):
                 self.checkpointer.save(self.step, self.engine, self.trainer_state(), self.config_yaml)
+        if self.ctx.is_main and seconds > 0:  # total over total: a median of per-step rates favours short steps
+            log.info("trained on %d target tokens in %.1f s of steps: %.0f target tokens/s", tokens, seconds,
+                     tokens / seconds)
 
     def train_step(self, micro_batches: list, start: float) -> dict:
         self.engine.module.train()
-        local_targets = sum(int(b.num_target_tokens()) for b in micro_batches)
+        local_targets = sum(b.num_targets for b in micro_batches)  # counted on the host: no device sync
         global_targets = int(all_reduce_sum(torch.tensor([local_targets], dtype=torch.float64,
                                                          device=self.ctx.device), self.engine.dp_group).item())
         inv_targets = 1.0 / max(global_targets, 1)  # zero targets: loss 0, gradient 0, never NaN
@@ -96,9 +101,10 @@ class Trainer:
                     micro_loss_sum = self.stage.micro_batch_loss(self.engine.module, batch)
                 self.engine.backward(micro_loss_sum * inv_targets)
             loss_sum += micro_loss_sum.detach().float()
-        loss = all_reduce_sum(loss_sum, self.engine.dp_group).item() * inv_targets
+        loss_sum = all_reduce_sum(loss_sum, self.engine.dp_group)
         lr = self.engine.current_lr()  # this step's lr: read before clip_grad_norm (DeepSpeed updates there)
-        grad_norm = float(self.engine.clip_grad_norm())
+        loss_sum, grad_norm = _to_host(loss_sum, self.engine.clip_grad_norm())  # one device sync for both
+        loss = loss_sum * inv_targets
         self.step += 1
         if math.isfinite(loss) and (math.isfinite(grad_norm) or self.engine.skips_nonfinite_grads):
             self.engine.step()
@@ -135,6 +141,12 @@ class Trainer:
     def _emit(self, record: dict) -> None:
         for sink in self.sinks:
             sink.log(record)
+
+
+def _to_host(*scalars: torch.Tensor) -> list[float]:
+    """0-d tensors as floats, with one device sync for all of them (fp32 -> fp64 is exact)."""
+    device = scalars[0].device
+    return torch.stack([scalar.detach().to(device, torch.float64) for scalar in scalars]).tolist()
 
 
 def _due(step: int, every: int) -> bool:

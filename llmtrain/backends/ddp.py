@@ -1,4 +1,8 @@
-"""PyTorch DDP: fp32 master weights on every rank, gradients all-reduced (averaged) in backward."""
+"""PyTorch DDP: fp32 master weights on every rank, gradients all-reduced (averaged) in backward.
+
+A world of one trains the bare model: DDP there would only copy gradients into buckets and all-reduce
+them over a group of one.
+"""
 
 from __future__ import annotations
 
@@ -29,17 +33,22 @@ class DDPEngine(ScaledOptimizerSteps):
             self.module = self.model
             self.optimizer = self.scheduler = None
         else:
-            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            # HF models hold no buffers that change in training (rotary tables are constants):
-            # sync them once at init, not in every forward.
-            self.module = DistributedDataParallel(self.model, device_ids=device_ids, forward_sync_buffers=False)
+            self.module = self._wrap_ddp(self.model) if ctx.world_size > 1 else self.model
             self.optimizer = build_adamw(self.model, optim, fused=ctx.device.type == "cuda")
             self.scheduler = build_scheduler(self.optimizer, optim)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16")
 
+    def _wrap_ddp(self, model: torch.nn.Module) -> DistributedDataParallel:
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        # forward_sync_buffers=False: HF models hold no buffers that change in training (rotary tables are
+        # constants), synced once at init. gradient_as_bucket_view: .grad are views into the all-reduce
+        # buckets, not a second copy of every gradient (4M bytes fp32 per rank).
+        return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
+                                       gradient_as_bucket_view=True)
+
     def no_sync(self, is_last_micro_batch: bool):
-        """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-        if is_last_micro_batch or self.optimizer is None:
+        """Skip the gradient all-reduce on all but the last micro-batch of a step (a world of one has none)."""
+        if is_last_micro_batch or self.module is self.model:
             return contextlib.nullcontext()
         return self.module.no_sync()
 

@@ -1,96 +1,112 @@
-"""Examples -> a right-padded `Batch` with the attention mask the rows need.
+"""Examples -> a right-padded `Batch`, and the attention inputs each attention implementation needs.
 
-Unpacked rows get the usual (B, T) padding mask. Packed rows (examples with `position_ids`) get a
-(B, 1, T, T) block-diagonal causal mask, as FLOAT (0 = attend, finfo(dtype).min = masked): in
-transformers 5 a bool 4-D mask is silently wrong with the `eager` attention, a float one is right
-with both `eager` and `sdpa`. Padding positions of a packed row attend only to themselves, so no
-mask row is fully masked (softmax over nothing gives NaN).
+Unpacked rows carry the usual (B, T) padding mask. Packed rows (examples with `position_ids`) carry
+their sample lengths as host ints; `for_attention` turns them into what the model's attention reads:
+- `sdpa_segments` (llmtrain's default off flash-attention): no mask at all, the per-row segment lengths
+  as a keyword argument (see models/attention.py);
+- flash-attention: no mask, `cu_seq_lens_*` over the flattened (B·T) tokens for the varlen kernel
+  (transformers infers them from position_ids only for a batch of one row);
+- any other (`sdpa`, `eager`): a (B, 1, T, T) block-diagonal causal mask, as FLOAT (0 = attend,
+  finfo(dtype).min = masked): in transformers 5 a bool 4-D mask is silently wrong with `eager`. Padding
+  positions attend only to themselves, so no mask row is fully masked (softmax over nothing is NaN).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens
+from llmtrain.models.attention import SEGMENT_ATTENTION, SEGMENT_LENGTHS, row_segments
 
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, T) long
     labels: torch.Tensor  # (B, T) long, aligned with input_ids, IGNORE_INDEX where no loss
-    attention_mask: torch.Tensor | None  # (B, T) long padding mask, (B, 1, T, T) float when packed,
-    # or None for packed rows under flash-attention varlen (position_ids alone delimit the samples)
+    attention_mask: torch.Tensor | None  # (B, T) long padding mask; (B, 1, T, T) float or None when packed
     position_ids: torch.Tensor | None = None  # (B, T) long, restarting per sample; packed rows only
+    seq_lens: tuple[tuple[int, ...], ...] | None = None  # packed rows: each row's sample lengths
+    num_targets: int = 0  # tokens that carry a loss after the one-token shift, counted on the host
+    attention_kwargs: dict = field(default_factory=dict)  # extra model keyword arguments for the attention
 
     @property
     def is_packed(self) -> bool:
         return self.position_ids is not None
 
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.to(device, non_blocking=non_blocking)
+        def move(value):
+            return value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
 
-        return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask),
-                     move(self.position_ids))
+        return replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
+                       attention_mask=move(self.attention_mask), position_ids=move(self.position_ids),
+                       attention_kwargs={key: move(value) for key, value in self.attention_kwargs.items()})
 
-    def for_varlen_attention(self) -> "Batch":
-        """Packed rows for flash-attention varlen: no dense mask, samples found from position_ids."""
-        return replace(self, attention_mask=None) if self.is_packed else self
-
-    def num_target_tokens(self) -> torch.Tensor:
-        """Tokens that carry a loss after the one-token shift (a 0-d long tensor)."""
-        return count_target_tokens(self.labels)
+    def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> "Batch":
+        """This batch with the attention inputs `attn_implementation` reads (built on the batch's device)."""
+        if attn_implementation == SEGMENT_ATTENTION:
+            segments = {SEGMENT_LENGTHS: self._row_segments()} if self.is_packed else {}
+            return replace(self, attention_mask=None, attention_kwargs=segments)
+        if not self.is_packed:
+            return self
+        if attn_implementation.startswith("flash_attention"):
+            return replace(self, attention_mask=None, attention_kwargs=self._varlen_kwargs())
+        mask = block_causal_mask(self.seq_lens, self.width, mask_dtype, self.input_ids.device)
+        return replace(self, attention_mask=mask)
 
     def model_inputs(self) -> dict:
         """Keyword arguments for `model(**...)`; labels stay out (the loss is `lm_loss_sum`)."""
-        inputs = {"input_ids": self.input_ids}
+        if self.is_packed and self.attention_mask is None and not self.attention_kwargs:
+            raise ValueError("a packed batch needs `for_attention(...)` first: without a mask or segment "
+                             "lengths its samples would attend to each other")
+        inputs = {"input_ids": self.input_ids, **self.attention_kwargs}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
         return inputs
 
-    def with_mask_dtype(self, dtype: torch.dtype) -> "Batch":
-        """The same batch with a packed mask in the model's compute dtype (sdpa wants them equal).
+    def _row_segments(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(row_segments(lens, self.width) for lens in self.seq_lens)
 
-        Rebuilt rather than cast: finfo(float32).min cast to float16 overflows to -inf.
-        """
-        if not self.is_packed or self.attention_mask is None or self.attention_mask.dtype == dtype:
-            return self
-        return replace(self, attention_mask=float_mask(self.attention_mask < 0, dtype))
+    def _varlen_kwargs(self) -> dict:
+        """Flash-attention varlen over the flattened rows: every sample, and each row's padding tail."""
+        lengths = [length for row in self._row_segments() for length in row]
+        cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=self.input_ids.device)  # (segments + 1,)
+        longest = max(lengths)
+        return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+                "max_length_q": longest, "max_length_k": longest}
 
 
-def collate(
-    examples: list[dict],
-    pad_token_id: int,
-    mask_dtype: torch.dtype = torch.float32,
-    pad_to_multiple_of: int | None = None,
-) -> Batch:
+def collate(examples: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> Batch:
     """Right-pad examples to the longest row (rounded up to pad_to_multiple_of); labels pad with -100."""
     lengths = [len(example["input_ids"]) for example in examples]
     width = _padded_width(max(lengths), pad_to_multiple_of)
     input_ids = _pad_rows([e["input_ids"] for e in examples], width, pad_token_id)  # (B, T)
     labels = _pad_rows([e["labels"] for e in examples], width, IGNORE_INDEX)  # (B, T)
+    num_targets = int(count_target_tokens(labels))
     if not any("position_ids" in example for example in examples):
         attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()  # (B, T)
-        return Batch(input_ids, labels, attention_mask)
+        return Batch(input_ids, labels, attention_mask, num_targets=num_targets)
     # An unpacked example in a packed batch is a pack of one sample.
-    seq_lens = [
-        example["seq_lens"] if "position_ids" in example else [length]
-        for example, length in zip(examples, lengths)
-    ]
+    seq_lens = tuple(tuple(example["seq_lens"]) if "position_ids" in example else (length,)
+                     for example, length in zip(examples, lengths))
     position_ids = _pad_rows(
         [example.get("position_ids", range(length)) for example, length in zip(examples, lengths)],
         width, 0,
     )  # (B, T)
-    return Batch(input_ids, labels, block_causal_mask(seq_lens, width, mask_dtype), position_ids)
+    return Batch(input_ids, labels, None, position_ids, seq_lens, num_targets)
 
 
-def block_causal_mask(seq_lens: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
+def block_causal_mask(seq_lens, width: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """(B, 1, T, T) float mask: token i sees token j iff j <= i and both lie in the same sample."""
-    segments = torch.stack([_segment_ids(lens, width) for lens in seq_lens])  # (B, T)
+    segments = torch.stack([_segment_ids(lens, width) for lens in seq_lens]).to(device)  # (B, T)
     same_segment = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()  # (T, T)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (T, T)
     allowed = same_segment & causal
     return float_mask(~allowed[:, None, :, :], dtype)
 
@@ -102,7 +118,7 @@ def float_mask(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-def _segment_ids(seq_lens: list[int], width: int) -> torch.Tensor:
+def _segment_ids(seq_lens, width: int) -> torch.Tensor:
     """(T,) sample index of each position; each padding position is a segment of its own."""
     used = sum(seq_lens)
     if used > width:

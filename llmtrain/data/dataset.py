@@ -18,7 +18,7 @@ from llmtrain.data.formats import (
     count_targets,
     encode_row,
 )
-from llmtrain.data.packing import merge_packed, pack_greedy
+from llmtrain.data.packing import merge_packed, pack_best_fit
 
 
 class TokenizedExamples(torch.utils.data.Dataset):
@@ -78,7 +78,7 @@ def build_examples(
         raise DataConfigError(f"no sample is left to train on ({stats.summary()}); raise data.max_seq_len, "
                               f"set data.overlong=truncate, or check that data.format={fmt} matches the data")
     kept = kept.select_columns(["input_ids", "labels", "length"])
-    plan = pack_greedy(list(kept["length"]), max_seq_len) if packing else None
+    plan = pack_best_fit(list(kept["length"]), max_seq_len) if packing else None
     return TokenizedExamples(kept, plan), stats
 
 

@@ -39,31 +39,41 @@ class JsonlSink:
 
 
 class ConsoleSink:
-    """A rich progress bar plus a metrics line every `every` steps and after each evaluation."""
+    """A metrics line every `every` steps and after each evaluation; on a terminal, a rich progress bar too.
+
+    Off a terminal (a log file, a SLURM job, a pipe) there is no live display: rich would redraw it from a
+    background thread ten times a second into a file that keeps every frame.
+    """
 
     def __init__(self, max_steps: int, start_step: int, every: int):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.console = Console(stderr=True)
         self.every = every
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-                                 console=self.console, transient=False)
-        self.task = self.progress.add_task("train", total=max_steps, completed=start_step, status="")
-        self.progress.start()
+        self.progress = self._progress_bar(max_steps, start_step) if self.console.is_terminal else None
+
+    def _progress_bar(self, max_steps: int, start_step: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            TextColumn("{task.fields[status]}"), console=self.console, transient=False)
+        self.task = progress.add_task("train", total=max_steps, completed=start_step, status="")
+        progress.start()
+        return progress
 
     def log(self, record: dict[str, Any]) -> None:
-        if "eval_loss" in record:
-            self.progress.console.print(f"eval  {_format(record)}", soft_wrap=True)
+        if "eval_loss" in record or "loss" not in record:
+            self.console.print(f"{'eval ' if 'eval_loss' in record else 'run  '} {_format(record)}", soft_wrap=True)
             return
-        self.progress.update(self.task, completed=record["step"],
-                             status=f"loss {record['loss']:.4f} lr {record['lr']:.2e}")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"],
+                                 status=f"loss {record['loss']:.4f} lr {record['lr']:.2e}")
         if self.every and (record["step"] % self.every == 0 or record["step"] == 1):
-            self.progress.console.print(f"train {_format(record)}", soft_wrap=True)
+            self.console.print(f"train {_format(record)}", soft_wrap=True)
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.progress is not None:
+            self.progress.stop()
 
 
 def _format(record: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from llmtrain.config import ConfigError
+from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,12 @@ def model_config(name_or_path: str | None, from_config: dict | None, config_path
 
 
 def resolve_attn_implementation(requested: str, device: torch.device) -> str:
+    """auto: flash-attention 2 (varlen for packed rows) on a GPU that has it installed, else sdpa per sample."""
     if requested != "auto":
         return requested
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return SEGMENT_ATTENTION
 
 
 def set_dropout(config: PretrainedConfig, dropout: float) -> None:
@@ -74,6 +76,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer))
     set_dropout(config, dropout)
     config.use_cache = False
+    if attn_implementation == SEGMENT_ATTENTION:
+        register_segment_attention()
     if from_config is not None:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                  dtype=torch.float32)

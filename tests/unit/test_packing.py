@@ -1,5 +1,7 @@
 """Packing: the plan, the merged row, and parity of a packed row with its samples run alone."""
 
+import itertools
+
 import datasets
 import pytest
 import torch
@@ -8,8 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from llmtrain.data.collate import collate
 from llmtrain.data.dataset import build_examples
 from llmtrain.data.formats import FORMATS
-from llmtrain.data.packing import merge_packed, pack_greedy
+from llmtrain.data.packing import merge_packed, pack_best_fit
 from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens, lm_loss_sum
+from llmtrain.models.attention import register_segment_attention
 from llmtrain.models.tiny_tokenizer import TOKENIZER_DIR
 
 
@@ -19,25 +22,25 @@ def tokenizer():
 
 
 def tiny_llama(attn_implementation: str):
+    register_segment_attention()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
 
 
-def test_pack_greedy_keeps_order_fits_and_closes_a_row_only_when_full():
-    lengths = [5, 3, 7, 2, 2, 9, 1, 10, 4]
-    groups = pack_greedy(lengths, 10)
-    assert [i for group in groups for i in group] == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in group) <= 10 for group in groups)
-    for group, next_group in zip(groups, groups[1:]):
-        assert sum(lengths[i] for i in group) + lengths[next_group[0]] > 10
-    assert groups == [[0, 1], [2, 3], [4], [5, 6], [7], [8]]  # worked by hand
+def test_pack_best_fit_fills_rows_longest_first():
+    lengths = [5, 3, 7, 2, 2, 9, 1, 10, 4]  # 43 tokens: 5 rows of 10 is the least possible
+    groups = pack_best_fit(lengths, 10)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    # Worked by hand: 10 | 9 | 7 | 5 open rows; 4 joins the 5; 3 joins the 7; 2 opens a row, the other 2
+    # joins it; 1 takes the fullest row with room (9). In-order next-fit needs 6 rows here.
+    assert groups == [[0, 8], [1, 2], [3, 4], [5, 6], [7]]
 
 
-def test_pack_greedy_rejects_a_sample_longer_than_a_row():
+def test_pack_best_fit_rejects_a_sample_longer_than_a_row():
     with pytest.raises(ValueError, match="max_seq_len"):
-        pack_greedy([3, 11], 10)
+        pack_best_fit([3, 11], 10)
 
 
 def test_merge_packed_restarts_positions_and_masks_each_first_label():
@@ -59,8 +62,9 @@ def test_packed_examples_never_exceed_max_seq_len_and_hold_every_sample_once(tok
     assert len(packed) < len(unpacked)
     assert all(len(packed[i]["input_ids"]) <= 40 for i in range(len(packed)))
     assert packed.row_lengths() == [len(packed[i]["input_ids"]) for i in range(len(packed))]
-    packed_tokens = [t for i in range(len(packed)) for t in packed[i]["input_ids"]]
-    assert packed_tokens == [t for i in range(len(unpacked)) for t in unpacked[i]["input_ids"]]
+    packed_samples = sorted(tuple(row["input_ids"][start:start + n]) for row in map(packed.__getitem__, range(len(packed)))
+                            for start, n in zip([0, *itertools.accumulate(row["seq_lens"])], row["seq_lens"]))
+    assert packed_samples == sorted(tuple(unpacked[i]["input_ids"]) for i in range(len(unpacked)))
 
 
 def parity_samples(tokenizer) -> list[dict]:
@@ -75,7 +79,7 @@ def parity_samples(tokenizer) -> list[dict]:
     return samples
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_implementation", ["sdpa_segments", "sdpa", "eager"])
 def test_packed_row_matches_its_samples_run_alone(tokenizer, attn_implementation):
     model = tiny_llama(attn_implementation)
     samples = parity_samples(tokenizer)
@@ -84,11 +88,11 @@ def test_packed_row_matches_its_samples_run_alone(tokenizer, attn_implementation
         loss_sum = sum(lm_loss_sum(logits[None], torch.tensor([s["labels"]])) for logits, s in zip(alone, samples))
         count = sum(count_target_tokens(torch.tensor([s["labels"]])) for s in samples)
 
-        batch = collate([merge_packed(samples)], pad_token_id=tokenizer.eos_token_id)
+        batch = collate([merge_packed(samples)], pad_token_id=tokenizer.eos_token_id).for_attention(attn_implementation)
         packed_logits = model(**batch.model_inputs()).logits  # (1, T, V)
-        packed_loss = lm_loss_sum(packed_logits, batch.labels) / batch.num_target_tokens()
+        packed_loss = lm_loss_sum(packed_logits, batch.labels) / batch.num_targets
 
-    assert batch.num_target_tokens() == count
+    assert batch.num_targets == count
     assert torch.allclose(packed_loss, loss_sum / count, atol=1e-5, rtol=0)
     per_sample = packed_logits[0].split([len(s["input_ids"]) for s in samples])
     for packed, single in zip(per_sample, alone):

@@ -1,0 +1,58 @@
+"""Attention without a dense mask: causal attention per packed sample, for sdpa.
+
+A dense (B, 1, T, T) block mask keeps `scaled_dot_product_attention` off its causal kernels: it computes
+every (query, key) pair of the row, other samples' and the upper triangle included, and the mask itself
+is B·T²·4 bytes. `sdpa_segments` instead runs causal sdpa once per sample of a packed row (the sample
+lengths travel with the batch as host ints, so nothing waits on the device), and once for a whole
+unpacked batch: right padding comes after every real token, so under a causal mask no real token can
+see a pad, and pad positions carry no loss.
+
+Registered with transformers' AttentionInterface, so every family whose attention goes through
+`ALL_ATTENTION_FUNCTIONS` (Llama, Qwen2, Mistral, GPT-2, ...) runs it on its (local, under TP) heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+SEGMENT_ATTENTION = "sdpa_segments"
+SEGMENT_LENGTHS = "segment_lengths"  # the model keyword argument that carries them: per row, sample lengths
+
+
+def segment_causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, segment_lengths: tuple | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """query (B, H, T, D), key/value (B, KV, T, D) -> (B, T, H, D), causal within each segment."""
+    kwargs.pop("is_causal", None)
+    if segment_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    rows = []
+    for b, lengths in enumerate(segment_lengths):
+        parts, start = [], 0
+        for length in lengths:
+            end = start + length
+            part, _ = sdpa_attention_forward(module, query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
+                                             value[b:b + 1, :, start:end], None, is_causal=True, **kwargs)
+            parts.append(part)  # (1, length, H, D)
+            start = end
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def _no_dense_mask(*args, **kwargs) -> None:
+    return None
+
+
+def register_segment_attention() -> None:
+    """Make `attn_implementation="sdpa_segments"` known to transformers (idempotent)."""
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_causal_sdpa)
+    AttentionMaskInterface.register(SEGMENT_ATTENTION, _no_dense_mask)
+
+
+def row_segments(seq_lens: list[int], width: int) -> tuple[int, ...]:
+    """A packed row's samples, then its padding tail as one more segment: they cover all `width` positions."""
+    tail = width - sum(seq_lens)
+    return tuple(seq_lens) + ((tail,) if tail else ())
