@@ -62,8 +62,8 @@ class ConsoleSink:
         return progress
 
     def log(self, record: dict[str, Any]) -> None:
-        if "eval_loss" in record or "loss" not in record:
-            self.console.print(f"{'eval ' if 'eval_loss' in record else 'run  '} {_format(record)}", soft_wrap=True)
+        if "eval_loss" in record:
+            self.console.print(f"eval  {_format(record)}", soft_wrap=True)
             return
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"],

@@ -110,3 +110,20 @@ def test_position_ids_alone_do_not_isolate_packed_samples(tokenizer):
                       position_ids=torch.tensor([merged["position_ids"]])).logits[0]
     second_leaky = leaky[len(samples[0]["input_ids"]):]
     assert not torch.allclose(second_leaky, second_alone, atol=1e-3)
+
+
+def test_segment_attention_trains_like_the_dense_block_mask(tokenizer):
+    """Same loss and gradients from per-sample sdpa as from the (B, 1, T, T) mask, dropout off, 2 padded rows."""
+    samples = parity_samples(tokenizer)
+    rows = [merge_packed(samples[:2]), merge_packed(samples[2:])]
+    grads = {}
+    for attention in ("sdpa", "sdpa_segments"):
+        model = tiny_llama(attention).train()
+        batch = collate(rows, pad_token_id=tokenizer.eos_token_id).for_attention(attention)
+        loss = lm_loss_sum(model(**batch.model_inputs()).logits, batch.labels) / batch.num_targets
+        loss.backward()
+        grads[attention] = (loss.detach(), [p.grad for p in model.parameters()])
+    (dense_loss, dense_grads), (segment_loss, segment_grads) = grads["sdpa"], grads["sdpa_segments"]
+    assert torch.allclose(dense_loss, segment_loss, atol=1e-6, rtol=0)
+    for dense, segment in zip(dense_grads, segment_grads):
+        assert torch.allclose(dense, segment, atol=1e-6, rtol=1e-5)
