@@ -9,14 +9,15 @@ import torch.distributed as dist
 
 from llmtrain.data.errors import DataConfigError
 from llmtrain.data.formats import (
-    KEPT,
-    TRUNCATED,
+    CHUNKED,
+    TRAINED,
     DataStats,
     check_columns,
     check_length_policy,
     check_tokenizer,
     count_targets,
     encode_row,
+    split_chunks,
 )
 from llmtrain.data.packing import merge_packed, pack_best_fit
 
@@ -63,7 +64,7 @@ def build_examples(
     """Check settings, tokenise once (rank 0 first, others reuse the cache), drop, then pack."""
     check_columns(rows.column_names, fmt)
     check_tokenizer(tokenizer, fmt)
-    check_length_policy(max_seq_len, overlong)
+    check_length_policy(max_seq_len, overlong, fmt)
     with main_process_first():
         encoded = rows.map(
             _encode_batch,
@@ -107,13 +108,15 @@ def _encode_batch(batch: dict, tokenizer, fmt: str, max_seq_len: int, overlong: 
     out = {"input_ids": [], "labels": [], "outcome": [], "length": [], "num_targets": []}
     for i in range(len(batch[columns[0]])):
         encoded = encode_row({name: batch[name][i] for name in columns}, tokenizer, fmt, max_seq_len, overlong)
-        out["input_ids"].append(encoded["input_ids"])
-        out["labels"].append(encoded["labels"])
-        out["outcome"].append(encoded["outcome"])
-        out["length"].append(len(encoded["input_ids"]))
-        out["num_targets"].append(count_targets(encoded["labels"]))
+        rows = split_chunks(encoded, max_seq_len) if encoded["outcome"] == CHUNKED else [encoded]
+        for row in rows:
+            out["input_ids"].append(row["input_ids"])
+            out["labels"].append(row["labels"])
+            out["outcome"].append(row["outcome"])
+            out["length"].append(len(row["input_ids"]))
+            out["num_targets"].append(count_targets(row["labels"]))
     return out
 
 
 def _is_kept(outcomes: list[str]) -> list[bool]:
-    return [outcome in (KEPT, TRUNCATED) for outcome in outcomes]
+    return [outcome in TRAINED for outcome in outcomes]

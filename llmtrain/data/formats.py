@@ -1,7 +1,7 @@
 """Rows -> `input_ids` with aligned `labels` (IGNORE_INDEX where no loss), one encoder per format.
 
 Every encoder returns {"input_ids", "labels", "outcome"}; `outcome` says whether the sample was
-kept as is, truncated, or dropped, so the counts in `DataStats` come from the same code that acts.
+kept as is, truncated, chunked, or dropped, so the counts in `DataStats` come from the same code that acts.
 Target tokens are counted the way the loss counts them: labels[1:] (label 0 is never predicted).
 """
 
@@ -12,8 +12,10 @@ from llmtrain.data.errors import DataConfigError
 from llmtrain.losses.lm import IGNORE_INDEX
 
 KEPT, TRUNCATED = "kept", "truncated"
+CHUNKED, NEXT_CHUNK = "chunked", "next_chunk"  # a text split into rows: its first row, each further row
 DROPPED_OVERLONG, DROPPED_NO_TARGET = "dropped_overlong", "dropped_no_target"
-OVERLONG_POLICIES = ("truncate", "drop")
+OVERLONG_POLICIES = ("truncate", "drop", "chunk")
+TRAINED = (KEPT, TRUNCATED, CHUNKED, NEXT_CHUNK)
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -30,8 +32,9 @@ REQUIRED_COLUMNS = {
 @dataclass
 class DataStats:
     samples_in: int = 0
-    samples_out: int = 0
+    samples_out: int = 0  # rows trained on: a chunked text gives several
     truncated: int = 0
+    chunked: int = 0
     dropped_overlong: int = 0
     dropped_no_target: int = 0
     tokens: int = 0
@@ -39,11 +42,12 @@ class DataStats:
 
     @classmethod
     def from_outcomes(cls, outcomes: list[str], lengths: list[int], targets: list[int]) -> "DataStats":
-        kept = [i for i, outcome in enumerate(outcomes) if outcome in (KEPT, TRUNCATED)]
+        kept = [i for i, outcome in enumerate(outcomes) if outcome in TRAINED]
         return cls(
-            samples_in=len(outcomes),
+            samples_in=len(outcomes) - outcomes.count(NEXT_CHUNK),
             samples_out=len(kept),
             truncated=outcomes.count(TRUNCATED),
+            chunked=outcomes.count(CHUNKED),
             dropped_overlong=outcomes.count(DROPPED_OVERLONG),
             dropped_no_target=outcomes.count(DROPPED_NO_TARGET),
             tokens=sum(lengths[i] for i in kept),
@@ -80,9 +84,12 @@ def check_tokenizer(tokenizer, fmt: str) -> None:
                               "model.tokenizer has no eos_token; use a tokenizer that defines one")
 
 
-def check_length_policy(max_seq_len: int, overlong: str) -> None:
+def check_length_policy(max_seq_len: int, overlong: str, fmt: str = "text") -> None:
     if overlong not in OVERLONG_POLICIES:
         raise DataConfigError(f"data.overlong={overlong!r} is unknown; choose one of {OVERLONG_POLICIES}")
+    if overlong == "chunk" and fmt != "text":
+        raise DataConfigError(f"data.overlong=chunk splits plain text into rows; a {fmt} sample cut in two "
+                              f"loses its prompt or response: use data.overlong=truncate or drop")
     if max_seq_len < 2:
         raise DataConfigError(f"data.max_seq_len={max_seq_len} leaves nothing to predict; use 2 or more")
 
@@ -100,13 +107,28 @@ def encode_row(row: dict, tokenizer, fmt: str, max_seq_len: int | None, overlong
 
 
 def encode_text(row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
+    """Every token a target. Over-long with `chunk`: the whole text, marked CHUNKED (see `split_chunks`)."""
     ids = _bos(tokenizer) + _token_ids(tokenizer, row["text"]) + _eos(tokenizer)
     outcome = KEPT
     if max_seq_len is not None and len(ids) > max_seq_len:
         if overlong == "drop":
             return _dropped(DROPPED_OVERLONG)
+        if overlong == "chunk":
+            return {"input_ids": ids, "labels": list(ids), "outcome": CHUNKED}
         ids, outcome = ids[:max_seq_len], TRUNCATED
     return {"input_ids": ids, "labels": list(ids), "outcome": outcome}
+
+
+def split_chunks(encoded: dict, max_seq_len: int) -> list[dict]:
+    """A CHUNKED text as rows of max_seq_len tokens (the last one shorter).
+
+    Each row is a sample of its own: its first token is not predicted from the previous row (unpacked,
+    label 0 never is; packed, `merge_packed` masks it). A last row of one token holds no target: left out.
+    """
+    ids = encoded["input_ids"]
+    starts = [start for start in range(0, len(ids), max_seq_len) if len(ids) - start > 1]
+    return [{"input_ids": ids[start:start + max_seq_len], "labels": ids[start:start + max_seq_len],
+             "outcome": CHUNKED if start == 0 else NEXT_CHUNK} for start in starts]
 
 
 def encode_prompt_response(

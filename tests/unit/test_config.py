@@ -59,6 +59,7 @@ def test_command_line_values_reach_the_config():
     ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
     ("optim.lr=-1", "optim.lr"),
     ("data.format=text", "data.format"),  # sft stage with plain text
+    ("data.overlong=chunk", "data.overlong=chunk"),  # sft_tiny's prompt_response samples cannot be split
 ])
 def test_bad_values_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

@@ -151,6 +151,34 @@ def test_overlong_policies_count_drops_and_truncations(tokenizer):
     assert truncated.target_tokens == 3 + 15 + 3 + 15  # label 0 is never predicted
 
 
+def test_chunk_policy_trains_on_every_token_of_a_long_text(tokenizer):
+    text = "".join(chr(ord("a") + i % 26) for i in range(37))  # bos + 37 + eos = 39 tokens: rows 16, 16, 7
+    rows = rows_of([{"text": "ab"}, {"text": text}, {"text": "c" * 15}])  # 17 tokens: 16 + one left over
+    examples, stats = build_examples(rows, tokenizer, fmt="text", max_seq_len=16, overlong="chunk")
+    whole = [tokenizer.bos_token_id, *tokenizer(text)["input_ids"], tokenizer.eos_token_id]
+    ids = [examples[i]["input_ids"] for i in range(len(examples))]
+    assert ids[1:4] == [whole[:16], whole[16:32], whole[32:]] and len(whole) == 39
+    assert [len(row) for row in ids] == [4, 16, 16, 7, 16]  # the 17th token of "c"*15's row, alone, has no target
+    assert all(examples[i]["labels"] == ids[i] for i in range(len(ids)))
+    assert (stats.samples_in, stats.samples_out, stats.chunked, stats.truncated) == (3, 5, 2, 0)
+    assert stats.target_tokens == 3 + 15 + 15 + 6 + 15
+
+
+def test_chunk_policy_refuses_formats_it_would_cut_apart(tokenizer):
+    rows = rows_of([{"prompt": "reverse: ab\n", "response": "ba"}])
+    with pytest.raises(DataConfigError, match="data.overlong=chunk"):
+        build_examples(rows, tokenizer, fmt="prompt_response", max_seq_len=16, overlong="chunk")
+
+
+def test_chunked_rows_pack_and_keep_every_token(tokenizer):
+    rows = rows_of([{"text": "x" * 50}, {"text": "y" * 5}])
+    packed, _ = build_examples(rows, tokenizer, fmt="text", max_seq_len=20, overlong="chunk", packing=True)
+    tokens = sorted(t for i in range(len(packed)) for t in packed[i]["input_ids"])
+    texts = tokenizer("x" * 50)["input_ids"] + tokenizer("y" * 5)["input_ids"]
+    assert tokens == sorted(texts + 2 * [tokenizer.bos_token_id, tokenizer.eos_token_id])
+    assert all(len(packed[i]["input_ids"]) <= 20 for i in range(len(packed)))
+
+
 def test_samples_without_targets_are_dropped_and_counted(tokenizer):
     rows = rows_of([
         {"messages": [{"role": "user", "content": "no reply"}]},
