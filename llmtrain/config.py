@@ -103,10 +103,14 @@ class BackendConfig:
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     overlap_comm: bool = False
     contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000
+    # Sizes in elements, "auto" or an int. "auto" follows the model's hidden size h, as transformers'
+    # DeepSpeed integration does: reduce bucket h², ZeRO-3 prefetch 0.9·h², persistence threshold 10·h
+    # (ZeRO-3 keeps weights up to that size whole on every rank). Typed Any: OmegaConf has no int | str.
+    reduce_bucket_size: Any = "auto"
+    # Only chunks all-gathers when torch lacks all_gather_into_tensor: DeepSpeed 0.19 ignores it otherwise.
     allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
+    stage3_prefetch_bucket_size: Any = "auto"
+    stage3_param_persistence_threshold: Any = "auto"
     stage3_max_live_parameters: int = 1_000_000_000
     # {DeepSpeed key: value} for keys we do not model, deep-merged last. Typed Any, default null: then
     # `backend.ds_config_overrides={...}` assigns the dict (a Dict field would refuse every new key in

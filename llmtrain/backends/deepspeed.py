@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.backends.base import OptimizerSpec, build_adamw, build_scheduler, param_groups
-from llmtrain.backends.deepspeed_config import DeepSpeedSettings, build_ds_config
+from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
 from llmtrain.config import ConfigError
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
 from llmtrain.parallel import DistContext, barrier
@@ -231,7 +231,8 @@ class DeepSpeedEngine:
             partitions.add("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in self.model.parameters()])
             measured["host"] += partitions.bytes["params"]
         numels = [getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad]
-        persistent = sum(n for n in numels if n <= s.stage3_param_persistence_threshold) if self.stage == 3 else 0
+        threshold = self.ds.zero_param_persistence_threshold()
+        persistent = sum(n for n in numels if n <= threshold) if self.stage == 3 else 0
         expected = deepspeed_expected(num_params=sum(numels), persistent_params=persistent, stage=self.stage,
                                       dp=self.dp_size, grad_accum_steps=s.grad_accum_steps,
                                       offload_optimizer=offload_opt, offload_param=offload_param)
@@ -372,6 +373,15 @@ class DeepSpeedEngine:
         return state
 
 
+def model_hidden_size(model: torch.nn.Module) -> int | None:
+    """The hidden size in the model's config (multimodal configs keep it in text_config); None if absent."""
+    config = getattr(model, "config", None)
+    for node in (config, getattr(config, "text_config", None)):
+        if isinstance(getattr(node, "hidden_size", None), int):
+            return node.hidden_size
+    return None
+
+
 class DeepSpeedBackend:
     def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
         """`options`: cfg.backend as a plain dict plus `run` (micro_batch_size, grad_accum_steps, output_dir)."""
@@ -382,9 +392,15 @@ class DeepSpeedBackend:
         _import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
         self._hf_ds_config = None
 
-    def ds_config(self, max_grad_norm: float) -> dict:
+    def ds_config(self, max_grad_norm: float, model: torch.nn.Module | None = None) -> dict:
+        """`model` sizes the "auto" buckets; None before it exists (zero.Init), where they are left out."""
+        hidden = None if model is None else model_hidden_size(model)
+        autos = [f"backend.{name}" for name in AUTO_SIZED if getattr(self.settings, name) == AUTO]
+        if model is not None and hidden is None and autos:
+            raise ConfigError(f"{', '.join(autos)}=auto size DeepSpeed's buckets from the model's hidden_size, which "
+                              f"{type(model).__name__}'s config lacks: set them to integers (elements)")
         return build_ds_config(self.settings, dp_size=self.ctx.world_size, precision=self.precision,
-                               max_grad_norm=max_grad_norm)
+                               max_grad_norm=max_grad_norm, hidden_size=hidden)
 
     def _write_config(self, config: dict) -> None:
         if self.ctx.is_main and self.settings.output_dir:
@@ -405,7 +421,7 @@ class DeepSpeedBackend:
         yield
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DeepSpeedEngine:
-        config = self.ds_config(max_grad_norm=optim.max_grad_norm if optim is not None else 0.0)
+        config = self.ds_config(max_grad_norm=optim.max_grad_norm if optim is not None else 0.0, model=model)
         if optim is not None:
             self._write_config(config)
         return DeepSpeedEngine(model, optim, self.ctx, self.precision, self.settings, config)

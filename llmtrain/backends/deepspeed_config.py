@@ -19,6 +19,9 @@ from llmtrain.config import BackendConfig
 _SCHEMA = BackendConfig()
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+AUTO = "auto"
+# Sizes that may be "auto": resolved from the model's hidden size (`model_sized`).
+AUTO_SIZED = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 # DeepSpeed keys whose value comes from another llmtrain field (dotted path -> the field to set instead).
 OWNED_KEYS = {
@@ -52,10 +55,10 @@ class DeepSpeedSettings:
     # defaults come from the config schema: one source of truth for `backend.*`
     overlap_comm: bool = _SCHEMA.overlap_comm
     contiguous_gradients: bool = _SCHEMA.contiguous_gradients
-    reduce_bucket_size: int = _SCHEMA.reduce_bucket_size
+    reduce_bucket_size: int | str = _SCHEMA.reduce_bucket_size  # int | "auto" (AUTO_SIZED)
     allgather_bucket_size: int = _SCHEMA.allgather_bucket_size
-    stage3_prefetch_bucket_size: int = _SCHEMA.stage3_prefetch_bucket_size
-    stage3_param_persistence_threshold: int = _SCHEMA.stage3_param_persistence_threshold
+    stage3_prefetch_bucket_size: int | str = _SCHEMA.stage3_prefetch_bucket_size
+    stage3_param_persistence_threshold: int | str = _SCHEMA.stage3_param_persistence_threshold
     stage3_max_live_parameters: int = _SCHEMA.stage3_max_live_parameters
     overrides: dict = field(default_factory=dict)
     output_dir: str | None = None  # where deepspeed_config.json is written (rank 0)
@@ -115,23 +118,47 @@ def _offload_dict(o: OffloadSettings) -> dict:
     return out
 
 
-def build_ds_config(s: DeepSpeedSettings, *, dp_size: int, precision: str, max_grad_norm: float) -> dict:
+def model_sized(s: DeepSpeedSettings, hidden_size: int | None) -> dict[str, int]:
+    """The AUTO_SIZED values to write: an int as given; "auto" from the hidden size h as in transformers'
+    DeepSpeed integration (reduce bucket h², prefetch 0.9·h², persistence threshold 10·h: the norms and
+    biases stay whole on every rank, the matrices are partitioned). With no model yet (None) "auto" ones
+    are left out: zero.Init, the only reader then, uses none of them (DeepSpeed 0.19 marks persistent
+    parameters in `initialize`)."""
+    h = hidden_size
+    auto = {} if h is None else {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+                                 "stage3_param_persistence_threshold": 10 * h}
+    sizes = {}
+    for name in AUTO_SIZED:
+        value = getattr(s, name)
+        if value != AUTO:
+            sizes[name] = value
+        elif name in auto:
+            sizes[name] = auto[name]
+    return sizes
+
+
+def build_ds_config(s: DeepSpeedSettings, *, dp_size: int, precision: str, max_grad_norm: float,
+                    hidden_size: int | None) -> dict:
     """The dict for `deepspeed.initialize(config=...)`: batch triple, clipping, precision, ZeRO, overrides.
-    `max_grad_norm` is optim.max_grad_norm: 0 means no clipping, and is written as 0."""
+    `max_grad_norm` is optim.max_grad_norm: 0 means no clipping, and is written as 0. `hidden_size` is the
+    model's, for the "auto" sizes (`model_sized`)."""
     zero: dict[str, Any] = {
         "stage": s.zero_stage,
         "overlap_comm": s.overlap_comm,
         "contiguous_gradients": s.contiguous_gradients,
-        "reduce_bucket_size": s.reduce_bucket_size,
         "allgather_bucket_size": s.allgather_bucket_size,
         "reduce_scatter": True,
     }
+    sizes = model_sized(s, hidden_size)
+    zero.update((k, v) for k, v in sizes.items() if s.zero_stage == 3 or not k.startswith("stage3_"))
+    if s.zero_stage in (1, 2):
+        # DeepSpeed 0.19's default (True) all-reduces each gradient bucket instead of reducing each
+        # partition to its owner: twice the traffic.
+        zero["use_multi_rank_bucket_allreduce"] = False
     if s.zero_stage >= 1 and s.offload_optimizer.device != "none":
         zero["offload_optimizer"] = _offload_dict(s.offload_optimizer)
     if s.zero_stage == 3:
-        zero.update(stage3_prefetch_bucket_size=s.stage3_prefetch_bucket_size,
-                    stage3_param_persistence_threshold=s.stage3_param_persistence_threshold,
-                    stage3_max_live_parameters=s.stage3_max_live_parameters,
+        zero.update(stage3_max_live_parameters=s.stage3_max_live_parameters,
                     stage3_gather_16bit_weights_on_model_save=True)
         if s.offload_param.device != "none":
             zero["offload_param"] = _offload_dict(s.offload_param)
@@ -180,14 +207,14 @@ def deepspeed_problems(backend: Any, world_size: int) -> list[str]:
     if backend.offload_optimizer.device != "none" and stage == 0:
         problems.append(f"backend.offload_optimizer.device={backend.offload_optimizer.device} needs "
                         "backend.zero_stage >= 1 (ZeRO-0 has no partitioned optimizer to offload)")
-    sizes = {"backend.reduce_bucket_size": backend.reduce_bucket_size,
-             "backend.allgather_bucket_size": backend.allgather_bucket_size,
-             "backend.stage3_prefetch_bucket_size": backend.stage3_prefetch_bucket_size,
-             "backend.stage3_max_live_parameters": backend.stage3_max_live_parameters}
-    problems += [f"{k}={v} must be >= 1" for k, v in sizes.items() if v < 1]
-    if backend.stage3_param_persistence_threshold < 0:
-        problems.append(f"backend.stage3_param_persistence_threshold={backend.stage3_param_persistence_threshold} "
-                        "must be >= 0")
+    for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                 "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+        value, least = getattr(backend, name), 0 if name == "stage3_param_persistence_threshold" else 1
+        if name in AUTO_SIZED and value == AUTO:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            may_be = '"auto" (sized from the model\'s hidden size) or ' if name in AUTO_SIZED else ""
+            problems.append(f"backend.{name}={value!r} must be {may_be}an integer >= {least}")
     overrides = _plain(backend.ds_config_overrides) if _is_mapping(backend.ds_config_overrides) else {}
     if backend.ds_config_overrides is not None and not _is_mapping(backend.ds_config_overrides):
         problems.append(f"backend.ds_config_overrides={backend.ds_config_overrides!r} must be a mapping "

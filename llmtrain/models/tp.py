@@ -9,6 +9,12 @@ heads without knowing, while `config.num_attention_heads` stays the global count
 exported). Column chunks are contiguous, so rank r holds query heads [r·H/tp, (r+1)·H/tp) and exactly
 the kv-heads those query heads use under GQA (head i reads kv-head i // (H/KV)).
 
+Collectives: each sub-block that holds colwise projections (`layers.*.self_attn`, `layers.*.mlp`: the
+parents of the colwise paths) receives its input as a Replicate DTensor. Its colwise projections then
+add their input gradients as one Partial DTensor, all-reduced once where the input entered, as Megatron
+does: per block one forward all-reduce per rowwise projection and one backward all-reduce per sub-block
+(4), not one per colwise projection as well (7 with q, k, v, gate, up reducing their own).
+
 Not sharded, stated here once: the token embedding, the final norm and the LM head stay replicated
 across the tp group (FSDP still shards them over dp), so every tp rank computes the full logits
 (B, T, V) and the same loss; no loss-parallel. That costs V·h of memory per tp rank and duplicated
@@ -20,6 +26,8 @@ loads; add a plan to EXTRA_TP_PLANS (keyed by model_type) only together with a p
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+from functools import partial
 from typing import Any
 
 import torch
@@ -60,9 +68,31 @@ def parallel_styles(plan: dict[str, str]) -> dict:
     return {path: styles[style]() for path, style in plan.items()}
 
 
+def colwise_parents(plan: dict[str, str]) -> list[str]:
+    """The sub-blocks whose input the colwise projections read: `layers.*.self_attn`, `layers.*.mlp`."""
+    return sorted({path.rsplit(".", 1)[0] for path, style in plan.items() if style == "colwise"})
+
+
+def _replicate_input(tp_mesh, module, args, kwargs):
+    """Forward pre-hook: the sub-block's input (first argument, or `hidden_states=`) as a Replicate DTensor;
+    the colwise projections take it as it is, and its gradient is all-reduced once, here."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def replicate(x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False)
+
+    if args:
+        return (replicate(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
+
+
 def apply_tp_plan(model: torch.nn.Module, tp_mesh, arch: Any) -> None:
     """Shard the base model's Linear layers over `tp_mesh` in place (paths are relative to base_model)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = tp_plan(arch)
     parallelize_module(model.base_model, tp_mesh, parallel_styles(plan))
+    blocks = colwise_parents(plan)
+    for name, module in model.base_model.named_modules():
+        if any(fnmatch(name, pattern) for pattern in blocks):
+            module.register_forward_pre_hook(partial(_replicate_input, tp_mesh), with_kwargs=True)

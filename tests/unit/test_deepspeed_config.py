@@ -20,7 +20,7 @@ def settings(**changes) -> DeepSpeedSettings:
 
 
 def test_batch_triple_clipping_and_precision_come_from_our_values():
-    config = build_ds_config(settings(), dp_size=8, precision="bf16", max_grad_norm=0.0)
+    config = build_ds_config(settings(), dp_size=8, precision="bf16", max_grad_norm=0.0, hidden_size=64)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 2, 64)
     assert config["gradient_clipping"] == 0.0  # written even when 0: DeepSpeed's default would clip at 1.0
@@ -30,23 +30,70 @@ def test_batch_triple_clipping_and_precision_come_from_our_values():
 
 def test_zero_sections_follow_the_stage():
     z2 = build_ds_config(settings(offload_optimizer=OffloadSettings("cpu")), dp_size=2, precision="fp32",
-                         max_grad_norm=1.0)["zero_optimization"]
+                         max_grad_norm=1.0, hidden_size=64)["zero_optimization"]
     assert z2["stage"] == 2 and z2["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert "offload_param" not in z2 and "stage3_param_persistence_threshold" not in z2
     nvme = OffloadSettings("nvme", "/nvme", False)
     z3 = build_ds_config(settings(zero_stage=3, offload_param=nvme, stage3_param_persistence_threshold=7),
-                         dp_size=2, precision="fp32", max_grad_norm=1.0)["zero_optimization"]
+                         dp_size=2, precision="fp32", max_grad_norm=1.0, hidden_size=64)["zero_optimization"]
     assert z3["offload_param"] == {"device": "nvme", "nvme_path": "/nvme", "pin_memory": False}
     assert z3["stage3_param_persistence_threshold"] == 7 and "offload_optimizer" not in z3
 
 
 def test_overrides_are_deep_merged_last():
     overrides = {"zero_optimization": {"round_robin_gradients": True, "reduce_bucket_size": 5}, "comms_logger": {}}
-    config = build_ds_config(settings(overrides=overrides), dp_size=2, precision="fp32", max_grad_norm=1.0)
+    config = build_ds_config(settings(overrides=overrides), dp_size=2, precision="fp32", max_grad_norm=1.0,
+                             hidden_size=64)
     zero = config["zero_optimization"]
     assert zero["round_robin_gradients"] is True and zero["reduce_bucket_size"] == 5 and zero["stage"] == 2
     assert config["comms_logger"] == {}
     assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}) == {"a": {"b": 1, "c": 3}}
+
+
+def zero_section(hidden_size: int | None, **changes) -> dict:
+    return build_ds_config(settings(**changes), dp_size=2, precision="fp32", max_grad_norm=1.0,
+                           hidden_size=hidden_size)["zero_optimization"]
+
+
+def test_auto_sizes_follow_the_hidden_size():
+    h = 128
+    z3 = zero_section(h, zero_stage=3)
+    assert (z3["reduce_bucket_size"], z3["stage3_prefetch_bucket_size"], z3["stage3_param_persistence_threshold"]) \
+        == (16384, 14745, 1280)  # h², int(0.9·h²), 10·h
+    z2 = zero_section(h, zero_stage=2)
+    assert z2["reduce_bucket_size"] == 16384 and "stage3_prefetch_bucket_size" not in z2
+    # before the model exists (zero.Init) "auto" sizes are left to DeepSpeed, explicit ones written
+    z3_init = zero_section(None, zero_stage=3, stage3_prefetch_bucket_size=7)
+    assert "reduce_bucket_size" not in z3_init and "stage3_param_persistence_threshold" not in z3_init
+    assert z3_init["stage3_prefetch_bucket_size"] == 7
+
+
+def test_explicit_sizes_and_overrides_win_over_auto():
+    z3 = zero_section(128, zero_stage=3, reduce_bucket_size=1000, stage3_param_persistence_threshold=0)
+    assert (z3["reduce_bucket_size"], z3["stage3_prefetch_bucket_size"], z3["stage3_param_persistence_threshold"]) \
+        == (1000, 14745, 0)
+    overrides = {"zero_optimization": {"reduce_bucket_size": 5, "use_multi_rank_bucket_allreduce": True}}
+    z2 = zero_section(128, zero_stage=2, overrides=overrides)
+    assert z2["reduce_bucket_size"] == 5 and z2["use_multi_rank_bucket_allreduce"] is True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_1_2_reduce_each_partition_to_its_owner(stage):
+    """DeepSpeed's default all-reduces ZeRO-1/2 gradient buckets (twice the traffic); other stages lack the key."""
+    zero = zero_section(64, zero_stage=stage)
+    assert zero.get("use_multi_rank_bucket_allreduce") is (False if stage in (1, 2) else None)
+
+
+def test_hidden_size_is_read_from_the_model_config():
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config
+
+    from llmtrain.backends.deepspeed import model_hidden_size
+
+    assert model_hidden_size(SimpleNamespace(config=GPT2Config(n_embd=96))) == 96  # via its attribute map
+    assert model_hidden_size(SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(hidden_size=32)))) == 32
+    assert model_hidden_size(torch.nn.Linear(2, 2)) is None
 
 
 def test_settings_from_backend_options_need_the_batch():
@@ -73,7 +120,12 @@ BAD = {
     "backend.offload_param.device=cpu": "backend.offload_param.device=cpu needs backend.zero_stage=3",
     "backend.offload_optimizer.device=nvme": "backend.offload_optimizer.device=nvme needs backend.offload_optimizer.nvme_path",
     "backend.offload_optimizer.device=disk": "backend.offload_optimizer.device='disk' must be one of none, cpu, nvme",
-    "backend.reduce_bucket_size=0": "backend.reduce_bucket_size=0 must be >= 1",
+    "backend.reduce_bucket_size=0":
+        "backend.reduce_bucket_size=0 must be \"auto\" (sized from the model's hidden size) or an integer >= 1",
+    "backend.stage3_param_persistence_threshold=big": "backend.stage3_param_persistence_threshold='big' must be "
+                                                      "\"auto\"",
+    "backend.stage3_prefetch_bucket_size=5e7": "backend.stage3_prefetch_bucket_size=50000000.0 must be",
+    "backend.allgather_bucket_size=-1": "backend.allgather_bucket_size=-1 must be an integer >= 1",
     "backend.ds_config_overrides={gradient_accumulation_steps: 4}":
         "backend.ds_config_overrides.gradient_accumulation_steps is set by llmtrain from trainer.grad_accum_steps",
     "backend.ds_config_overrides={zero_optimization: {stage: 3}}":
