@@ -50,7 +50,7 @@ class ModelConfig:
     from_config: Optional[Dict[str, Any]] = None  # {model_type: llama, hidden_size: ..., ...}
     config_path: Optional[str] = None  # a shipped config.json: validates a hub id offline
     tokenizer: Optional[str] = None  # default: the model directory
-    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa
+    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa_segments
     activation_checkpointing: bool = False
     dropout: float = 0.0
     trust_remote_code: bool = False
@@ -67,7 +67,7 @@ class DataConfig:
     format: str = "text"  # text | prompt_response | alpaca | messages
     max_seq_len: int = 512
     packing: bool = False
-    overlong: str = "truncate"  # truncate | drop
+    overlong: str = "truncate"  # truncate | drop | chunk (text only: a long text becomes several rows)
     num_workers: int = 0
 
 
@@ -162,7 +162,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "data.format": ("text", "prompt_response", "alpaca", "messages"),
-    "data.overlong": ("truncate", "drop"),
+    "data.overlong": ("truncate", "drop", "chunk"),
     "backend.name": ("ddp", "deepspeed", "fsdp2"),
     "stage.name": ("pretrain", "sft"),
     "peft.name": ("none",),
@@ -252,6 +252,9 @@ def _source_problems(cfg: Any) -> list[str]:
         problems.append("set data.train_files or data.dataset, not both")
     if d.eval_files and d.eval_fraction > 0:
         problems.append("set data.eval_files or data.eval_fraction, not both")
+    if d.overlong == "chunk" and d.format != "text":
+        problems.append(f"data.overlong=chunk splits plain text into rows; a {d.format} sample cut in two loses "
+                        f"its prompt or response: use data.overlong=truncate or drop")
     if cfg.stage.name == "sft" and d.format not in SFT_FORMATS:
         problems.append(f"stage sft trains on responses only: data.format={d.format!r} must be one of "
                         f"{', '.join(SFT_FORMATS)} (use stage=pretrain for plain text)")
