@@ -149,7 +149,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
     torch.manual_seed(t.seed)  # identical random init on every rank
-    # DeepSpeed ZeRO-3: built under zero.Init, no rank holds the whole model (the hook is optional).
+    # DeepSpeed ZeRO-3: built under zero.Init, no rank holds the whole model. FSDP2: ranks other than 0
+    # build it on the meta device and wrap() fills their shards from rank 0's copy. DDP: no context.
     with backend.model_init_context():
         model = build_model(name_or_path=m.name_or_path, from_config=m.from_config, config_path=m.config_path,
                             tokenizer=tokenizer,

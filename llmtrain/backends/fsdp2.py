@@ -21,19 +21,30 @@ over dp_replicate); the trainer's loss is this rank's share of the global token-
 and TP's own collectives are exact sums, so tp does not enter the scale. The grad-norm parity test
 catches any sum-vs-average error (upstream reported FSDP2 on gloo summing in some versions; in torch
 2.13 it averages, which that test checks).
+
+Model init (torchtitan's / torchtune's way): only rank 0 builds the whole fp32 model (random init or
+from_pretrained, exactly as DDP does, so the weights are bit-identical); the other ranks build the same
+modules on the meta device (`FSDP2Backend.model_init_context`), with no storage and nothing read.
+Rank 0 then sets its weights aside and empties its model too, so that every rank parallelizes the same
+empty model (TP's distribute_tensor scatters real weights from rank 0, a step meta ranks would skip);
+all allocate their shards (`to_empty`) and fill them from rank 0's full state dict, one tensor
+broadcast at a time (`load_from_rank0`). A 7B thus costs 28 GB of host memory on rank 0 only, not on
+each of the 8 ranks of a node (rank 0 holds its shards and the full copy together until the load ends).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
-    set_state_dict
+    set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -93,6 +104,52 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh, *, reshard_aft
                mp_policy=mp_policy, offload_policy=offload_policy)
 
 
+# ---- meta-device init: the weights come from rank 0 -------------------------------------------------
+
+def ranks_on_meta(model: torch.nn.Module) -> list[int]:
+    """The ranks whose model was built on the meta device (a collective: every rank calls it)."""
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())))
+    return [rank for rank, on_meta in enumerate(flags) if on_meta]
+
+
+def set_aside_and_empty(model: torch.nn.Module) -> tuple[dict, dict]:
+    """Rank 0: (its full state dict, all its buffers), by reference; the model itself goes to meta."""
+    weights = model.state_dict(), dict(model.named_buffers())  # non-persistent buffers are not in the first
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # in place: tied weights stay one Parameter
+    try:
+        model.to_empty(device="meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    return weights
+
+
+def load_from_rank0(model: torch.nn.Module, rank0_weights: tuple[dict, dict] | None, device: torch.device, *,
+                    cpu_offload: bool) -> None:
+    """After parallelize: allocate this rank's shards (DTensors on the dp or (dp, tp) mesh) and fill them from
+    rank 0's full state dict; `rank0_weights` comes from set_aside_and_empty on rank 0, None elsewhere."""
+    state, buffers = rank0_weights or ({}, {})
+    # FSDP re-points its sharded parameters (FSDPModule._apply; ties hold). Offloaded shards live on the host
+    # (pinned by FSDP there), buffers on the device: where fully_shard puts them when given real tensors.
+    model.to_empty(device="cpu" if cpu_offload else device)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if cpu_offload:
+        for module in model.modules():
+            module._buffers.update({name: b.to(device) for name, b in module._buffers.items() if b is not None})
+    # A state dict holds no non-persistent buffers (the rotary inv_freq of Llama/Qwen2/Mistral); buffers are
+    # small, so all of them are copied from rank 0.
+    for name, buffer in model.named_buffers():
+        if buffers:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+    # Building on meta drew no random numbers: take rank 0's generator, as if this rank had built the same
+    # model from the same seed (what DDP's ranks do), so dropout and later draws match DDP's.
+    rng = [torch.get_rng_state()]
+    dist.broadcast_object_list(rng, src=0)
+    torch.set_rng_state(rng[0])
+
+
 # ---- DTensor-aware gradient norm ----------------------------------------------------------------
 
 def _by_mesh(tensors: list[torch.Tensor]) -> dict:
@@ -142,8 +199,19 @@ class FSDP2Engine(ScaledOptimizerSteps):
             cpu_offload = False  # CPUOffloadPolicy pins memory, which needs an accelerator
         if optim is None:
             model.requires_grad_(False).eval()
+        on_meta = ranks_on_meta(model) if ctx.world_size > 1 else []
+        if 0 in on_meta:
+            raise ValueError("fsdp2: rank 0 built the model on the meta device, but the other ranks load their "
+                             "weights from rank 0's copy")
+        rank0_weights = set_aside_and_empty(model) if on_meta and ctx.is_main else None
         parallelize(model, dims, self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(), compile=compile)
+        if on_meta:
+            load_from_rank0(model, rank0_weights, ctx.device, cpu_offload=cpu_offload)
+            del rank0_weights  # rank 0's full copy goes now
+            if ctx.is_main:
+                log.info("fsdp2: rank%s %s built the model on meta, weights from rank 0",
+                         "s" if len(on_meta) > 1 else "", ", ".join(map(str, on_meta)))
         self.model = self.module = model
         self.optimizer = self.scheduler = None
         if optim is not None:
@@ -254,9 +322,9 @@ class FSDP2Backend:
         self.settings = {k: options[k] for k in ("reshard_after_forward", "cpu_offload", "compile") if k in options}
 
     def model_init_context(self):
-        """Every rank builds the whole fp32 model on the CPU; fully_shard then keeps its shards only
-        (meta-device init + sharded load would avoid the full copy per rank: not done yet)."""
-        return contextlib.nullcontext()
+        """Rank 0 builds the whole fp32 model; the others build it on the meta device (no storage, no
+        weights read) and receive their shards from rank 0 in wrap() (see the module docstring)."""
+        return contextlib.nullcontext() if self.ctx.is_main else torch.device("meta")
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
         return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, **self.settings)

@@ -72,21 +72,33 @@ def set_dropout(config: PretrainedConfig, dropout: float) -> None:
 def build_model(*, name_or_path: str | None, from_config: dict | None, config_path: str | None,
                 tokenizer: Any, attn_implementation: str, dropout: float,
                 activation_checkpointing: bool, trust_remote_code: bool) -> torch.nn.Module:
-    """An fp32 causal LM on the CPU, its embeddings sized to the tokenizer."""
+    """An fp32 causal LM on the CPU, its embeddings sized to the tokenizer.
+
+    Under a `torch.device("meta")` context (FSDP2 on ranks other than 0) the same modules are built
+    without storage and nothing is read: from_pretrained refuses meta, so the architecture comes from
+    the checkpoint's config; the backend fills the weights in later."""
     config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer))
     set_dropout(config, dropout)
     config.use_cache = False
     if attn_implementation == SEGMENT_ATTENTION:
         register_segment_attention()
-    if from_config is not None:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32)
+    on_meta = torch.get_default_device().type == "meta"
+    if from_config is not None or on_meta:
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                     dtype=torch.float32, trust_remote_code=trust_remote_code)
+        except Exception as error:
+            if not on_meta:
+                raise
+            raise ConfigError(f"{name_or_path or config.model_type}: the model cannot be built on the meta device "
+                              f"({type(error).__name__}: {error}); use backend=ddp or backend=deepspeed") from error
     else:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, config=config, attn_implementation=attn_implementation, dtype=torch.float32,
             trust_remote_code=trust_remote_code)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+        # The mean-and-covariance init of the new rows reads values, which meta tensors have none of.
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=not on_meta)
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if activation_checkpointing:

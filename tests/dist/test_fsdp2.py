@@ -8,6 +8,10 @@ tiny model folder, fp32, global batch 16 = micro × grad accumulation 2 × dp.
 - a worker (this file under torchrun) checks what the CLI cannot show: a dp=2 checkpoint loaded at
   tp=2 holds exactly the saved weights, the consolidated HF export gives the sharded model's logits,
   and the per-rank model-state bytes match ZeRO-3's 16·M/N.
+- meta init: only rank 0 builds the model (every run above loads a from_pretrained folder, so their
+  parity is that of the meta path); a from_config model with tied embeddings trains as DDP does; a second
+  worker checks each rank's weights, buffers, ties and RNG against what DDP builds, and that rank 1's
+  host memory grows by its shard, not by the full model, while rank 0 holds the full copy.
 Runs are cached per module, so the resume tests reuse the parity runs.
 """
 
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli, save_tiny_model
+from tests.conftest import PYTHON, REPO, TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli, save_tiny_model
 
 pytestmark = pytest.mark.dist
 
@@ -55,15 +59,20 @@ class Runs:
     """Each (model, contender) trained once per module; later tests reuse the run folder."""
 
     def __init__(self, root: Path, models: dict[str, Path]):
-        self.root, self.models, self.done = root, models, {}
+        self.root, self.models, self.done, self.logs = root, models, {}, {}
 
     def get(self, model: str, name: str) -> Path:
         if (model, name) not in self.done:
             out = self.root / f"{model}_{name}"
             args, nproc = contender_args(name, self.models[model], out)
-            assert_ok(run_cli(args, nproc=nproc))
-            self.done[(model, name)] = out
+            result = run_cli(args, nproc=nproc)
+            assert_ok(result)
+            self.done[(model, name)], self.logs[(model, name)] = out, result.stdout + result.stderr
         return self.done[(model, name)]
+
+    def log(self, model: str, name: str) -> str:
+        self.get(model, name)
+        return self.logs[(model, name)]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +170,66 @@ def test_bad_layout_fails_on_every_rank_before_the_model_loads(tiny_model_dir, t
     assert "Loading weights" not in result.stderr + result.stdout and not (tmp_path / "run").exists()
 
 
-# ---- the worker: `torchrun --nproc_per_node 2 -m tests.dist.test_fsdp2 MODEL_DIR STEP_DIR OUT_DIR` -----------
+# ---- meta init: rank 0 builds the model, the others receive their shards ------------------------------------
+
+@pytest.mark.parametrize("model,name,meta_ranks", [("llama", "fsdp2", "rank 1"), ("llama", "dp2_tp2", "ranks 1, 2, 3"),
+                                                   ("llama", "hsdp", "ranks 1, 2, 3")])
+def test_only_rank0_builds_the_model(runs, model, name, meta_ranks):
+    """The parity runs above (from_pretrained folders) built the model on meta on every rank but 0."""
+    assert f"fsdp2: {meta_ranks} built the model on meta, weights from rank 0" in runs.log(model, name)
+
+
+def test_from_config_with_tied_embeddings_trains_as_ddp(tmp_path):
+    """Random init (not a folder) on rank 0 only, and embedding / LM head tied: 3 steps as DDP's."""
+    args = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "trainer.eval_every_n_steps=0",
+            "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "trainer.max_steps=3",
+            "trainer.grad_accum_steps=1", "trainer.global_batch_size=16", "trainer.save_every_n_steps=0"]
+    metrics = {}
+    for name, micro, backend in [("ddp", 8, "backend=ddp"), ("fsdp2", 8, "backend=fsdp2"),
+                                 ("fsdp2_tp", 16, "backend=fsdp2_tp")]:
+        result = run_cli([*args, backend, f"trainer.micro_batch_size={micro}", f"output_dir={tmp_path / name}"],
+                         nproc=2)
+        assert_ok(result)
+        assert (name == "ddp") != ("rank 1 built the model on meta" in result.stderr)
+        metrics[name] = read_metrics(tmp_path / name)[0]
+    for name in ("fsdp2", "fsdp2_tp"):
+        assert_close_series(metrics[name], metrics["ddp"], "loss", 1e-6, 1e-5)
+        assert_close_series(metrics[name], metrics["ddp"], "grad_norm", 1e-6, 1e-5)
+
+
+def test_meta_init_weights_buffers_ties_and_memory(tmp_path):
+    """Worker under torchrun, 2 ranks (see `init_worker` below)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    # a from_pretrained folder whose vocabulary is smaller than the tokenizer's: both paths resize
+    vocab = len(AutoTokenizer.from_pretrained(TOKENIZER_DIR)) - 7
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=vocab, **TINY)).save_pretrained(
+        tmp_path / "small_vocab")
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+           "tests.dist.test_fsdp2", "init", str(tmp_path / "small_vocab"), str(tmp_path)]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert_ok(result)
+    reports = [json.loads((tmp_path / f"init_rank_{r}.json").read_text()) for r in range(2)]
+    for rank, report in enumerate(reports):
+        for case in ("tied_dp2", "tied_tp2", "resized_folder_dp2"):
+            checks = report[case]
+            assert checks["built_on_meta"] == (rank == 1), (rank, case)
+            assert checks["ties"] == checks["reference_ties"], (rank, case, checks)
+            assert checks["buffers_equal"] and checks["rng_as_ddp"], (rank, case, checks)
+            if rank == 0:
+                assert checks["weights_equal"], (case, checks)  # every full tensor, bitwise, as DDP's init
+        assert report["tied_dp2"]["ties"] == [True]
+    full_bytes = 4 * reports[0]["memory"]["parameters"]  # fp32, ~200 MB
+    rank0, rank1 = (r["memory"]["init_rss_growth"] for r in reports)
+    assert rank0 >= 0.95 * full_bytes, (rank0, full_bytes)  # the full copy, then its shard as well
+    assert rank1 <= 0.75 * full_bytes, (rank1, full_bytes)  # its half (0.5) and one tensor in flight
+
+
+# ---- the workers: `torchrun --nproc_per_node 2 -m tests.dist.test_fsdp2 MODEL_DIR STEP_DIR OUT_DIR` -------------
+#                  `torchrun --nproc_per_node 2 -m tests.dist.test_fsdp2 init MODEL_DIR OUT_DIR`
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256)
 
 def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
     import torch
@@ -208,6 +276,76 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
     shutdown()
 
 
+def init_worker(model_dir: Path, out_dir: Path) -> None:
+    """Each case built as run.py builds it (seed, the backend's init context) and wrapped, against what DDP
+    builds on every rank (the same call, no context): rank 1 built on meta; rank 0's gathered full state
+    dict equals DDP's bitwise; buffers (rotary inv_freq, non-persistent), weight ties and the CPU RNG state
+    equal DDP's on every rank. Then a ~50M-parameter Llama: host memory growth over build + wrap per rank."""
+    import contextlib
+    import resource
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from llmtrain.backends.base import OptimizerSpec
+    from llmtrain.backends.fsdp2 import FSDP2Backend
+    from llmtrain.models.load import build_model, load_tokenizer
+    from llmtrain.parallel import init_distributed, shutdown
+
+    ctx = init_distributed("cpu", 300)
+    spec = OptimizerSpec(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
+                         min_lr_ratio=1.0, max_grad_norm=1.0, max_steps=10)
+    tokenizer = load_tokenizer(str(TOKENIZER_DIR), False)
+
+    def build(backend, name_or_path, from_config):
+        torch.manual_seed(0)
+        with backend.model_init_context() if backend is not None else contextlib.nullcontext():
+            return build_model(name_or_path=name_or_path, from_config=from_config, config_path=None,
+                               tokenizer=tokenizer, attn_implementation="sdpa", dropout=0.0,
+                               activation_checkpointing=False, trust_remote_code=False)
+
+    def ties(model):
+        return [model.get_output_embeddings().weight is model.get_input_embeddings().weight]
+
+    tied = dict(model_type="llama", tie_word_embeddings=True, **TINY)
+    cases = {"tied_dp2": (None, tied, 1), "tied_tp2": (None, tied, 2), "resized_folder_dp2": (str(model_dir), None, 1)}
+    report = {}
+    for case, (name_or_path, from_config, tp) in cases.items():
+        reference = build(None, name_or_path, from_config)  # what DDP builds on every rank
+        rng_after_build = torch.get_rng_state()
+        backend = FSDP2Backend(ctx, "fp32", {"tp": tp})
+        model = build(backend, name_or_path, from_config)
+        checks = {"built_on_meta": model.get_input_embeddings().weight.is_meta, "reference_ties": ties(reference)}
+        engine = backend.wrap(model, spec)
+        checks["rng_as_ddp"] = torch.equal(torch.get_rng_state(), rng_after_build)
+        checks["ties"] = ties(engine.module)
+        reference_buffers = dict(reference.named_buffers())
+        checks["buffers_equal"] = all(torch.equal(buffer, reference_buffers[name])
+                                      for name, buffer in engine.module.named_buffers())
+        full = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if ctx.is_main:
+            expected = reference.state_dict()
+            checks["weights_equal"] = full.keys() == expected.keys() and all(
+                torch.equal(tensor, expected[key]) for key, tensor in full.items())
+        report[case] = checks
+
+    def peak_rss() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    big = dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=16,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+    before = peak_rss()
+    backend = FSDP2Backend(ctx, "fp32", {})
+    engine = backend.wrap(build(backend, None, big), spec)
+    report["memory"] = {"parameters": sum(p.numel() for p in engine.module.parameters()),
+                        "init_rss_growth": peak_rss() - before}
+    (out_dir / f"init_rank_{ctx.rank}.json").write_text(json.dumps(report))
+    shutdown()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    worker(*(Path(arg) for arg in sys.argv[1:4]))
+    if sys.argv[1] == "init":
+        init_worker(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        worker(*(Path(arg) for arg in sys.argv[1:4]))
