@@ -57,8 +57,9 @@ class Engine(Protocol):
 
 
 class Backend(Protocol):
-    # Entered around model construction: DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init
-    # so no rank ever holds the whole model; the others need nothing (nullcontext).
+    # Entered around model construction: DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init so
+    # no rank ever holds the whole model; FSDP2 builds it on the meta device on ranks other than 0 (wrap()
+    # fills their shards from rank 0); DDP needs nothing (nullcontext).
     def model_init_context(self) -> AbstractContextManager: ...
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> Engine: ...
 
