@@ -127,7 +127,7 @@ def llmtrain_worker_argv(out: str, warmup: int, overrides: list[str], *, flags: 
     return [*launcher, str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(warmup), *flags, "--", *overrides]
 
 
-def llmtrain_contender(args, work: Path, tmp: Path, packed: bool):
+def llmtrain_contender(args, work: Path, tmp: Path, packed: bool, extra: tuple[str, ...] = ()):
     """One process of llmtrain on cpu-small's model, data and global batch; its first run checks that the
     packed samples stay apart. Which llmtrain it imports is up to the environment (see suite_compare)."""
     steps = args.warmup + args.steps
@@ -136,7 +136,7 @@ def llmtrain_contender(args, work: Path, tmp: Path, packed: bool):
     def argv(out: str, first: bool) -> list[str]:
         run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix="run-"))
         return llmtrain_worker_argv(out, args.warmup, llmtrain_overrides(work, run_dir, steps=steps, micro_batch=micro,
-                                                                         packing=packed),
+                                                                         packing=packed, extra=extra),
                                     flags=("--check-packing",) if packed and first else ())
     return argv
 
@@ -191,6 +191,9 @@ def cpu_contenders(args, work: Path, tmp: Path) -> dict:
         "plain loop": worker("plain"),
         "llmtrain unpacked": llmtrain_contender(args, work, tmp, packed=False),
         "llmtrain packed": llmtrain_contender(args, work, tmp, packed=True),
+        # other batches than the rest (similar lengths together): compare its tokens/s, not its losses
+        "llmtrain unpacked, group_by_length": llmtrain_contender(args, work, tmp, packed=False,
+                                                                 extra=("data.group_by_length=true",)),
         "HF Trainer": worker("hf"),
         "TRL default": worker("trl", "--variant", "default"),
         "TRL padding_free": worker("trl", "--variant", "padding_free"),

@@ -69,6 +69,7 @@ class DataConfig:
     packing: bool = False
     overlong: str = "truncate"  # truncate | drop | chunk (text only: a long text becomes several rows)
     num_workers: int = 0
+    group_by_length: bool = False  # batches of similar lengths: less padding, less random order
 
 
 @dataclass

@@ -173,7 +173,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         train_batches=lambda start: train_batches(
             data.train, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
             dp_rank=engine.dp_rank, dp_size=engine.dp_size, seed=t.seed, pad_token_id=pad_id,
-            num_workers=d.num_workers, start_step=start),
+            num_workers=d.num_workers, start_step=start, group_by_length=d.group_by_length),
         eval_batches=None if data.eval is None else eval_batches(
             data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=engine.dp_rank,
             dp_size=engine.dp_size, pad_token_id=pad_id),

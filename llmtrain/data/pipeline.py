@@ -46,10 +46,11 @@ def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | 
 
 def train_batches(examples: TokenizedExamples, *, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
                   dp_size: int, seed: int, pad_token_id: int, num_workers: int,
-                  start_step: int) -> Iterator[Batch]:
+                  start_step: int, group_by_length: bool = False) -> Iterator[Batch]:
     """Micro-batches for this rank from optimizer step `start_step` on, endlessly (epochs roll over)."""
     sampler = StepBatchSampler(len(examples), micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
-                               dp_rank=dp_rank, dp_size=dp_size, seed=seed, start_step=start_step)
+                               dp_rank=dp_rank, dp_size=dp_size, seed=seed, start_step=start_step,
+                               lengths=examples.row_lengths() if group_by_length else None)
     loader = DataLoader(examples, batch_sampler=sampler, num_workers=num_workers,
                         collate_fn=partial(collate, pad_token_id=pad_token_id),
                         # a private generator: worker seeding never draws from the global RNG

@@ -9,11 +9,11 @@ from llmtrain.backends.base import lr_factor, param_groups
 from llmtrain.data.sampler import StepBatchSampler
 
 
-def step_union(num_examples, step, micro, accum, dp, seed=7):
+def step_union(num_examples, step, micro, accum, dp, seed=7, lengths=None):
     chosen = []
     for rank in range(dp):
         sampler = StepBatchSampler(num_examples, micro_batch_size=micro, grad_accum_steps=accum, dp_rank=rank,
-                                   dp_size=dp, seed=seed)
+                                   dp_size=dp, seed=seed, lengths=lengths)
         micro_batches = sampler.micro_batches(step)
         assert len(micro_batches) == accum and all(len(mb) == micro for mb in micro_batches)
         chosen += [i for mb in micro_batches for i in mb]
@@ -33,6 +33,37 @@ def test_ranks_are_disjoint_and_epochs_roll_over_with_a_new_order():
     assert len(seen) == len(set(seen)) == 96
     next_epoch = torch.randperm(100, generator=torch.Generator().manual_seed(8))[:8].tolist()
     assert sorted(step_union(100, steps_per_epoch, 2, 2, 2)) == sorted(next_epoch)
+
+
+LENGTHS = torch.randint(5, 500, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def padded_tokens(micro_batches_per_step, lengths) -> int:
+    return sum(len(mb) * max(lengths[i] for i in mb) for step in micro_batches_per_step for mb in step)
+
+
+def test_group_by_length_cuts_padding_and_keeps_every_sampler_property():
+    steps = 1000 // 16
+    grouped = [StepBatchSampler(1000, micro_batch_size=4, grad_accum_steps=2, dp_rank=r, dp_size=2, seed=7,
+                                lengths=LENGTHS) for r in range(2)]
+    plain = [StepBatchSampler(1000, micro_batch_size=4, grad_accum_steps=2, dp_rank=r, dp_size=2, seed=7)
+             for r in range(2)]
+    by_step = [[mb for s in samplers for mb in s.micro_batches(step)] for samplers in (grouped, plain)
+               for step in range(steps)]
+    grouped_steps, plain_steps = by_step[:steps], by_step[steps:]
+    real = sum(LENGTHS[i] for step in grouped_steps for mb in step for i in mb)
+    assert real == sum(LENGTHS[i] for step in plain_steps for mb in step for i in mb)  # the same examples
+    assert padded_tokens(grouped_steps, LENGTHS) < 1.1 * real < padded_tokens(plain_steps, LENGTHS)
+    seen = [i for step in grouped_steps for mb in step for i in mb]
+    assert len(seen) == len(set(seen)) == steps * 16  # each example at most once per epoch
+    assert max(LENGTHS[i] for mb in grouped_steps[0] for i in mb) == max(LENGTHS[i] for i in seen)  # longest first
+    for micro, accum, dp in [(16, 1, 1), (2, 4, 2), (1, 4, 4)]:  # the window depends on G alone
+        for step in (0, 5, steps + 3):
+            assert sorted(step_union(1000, step, micro, accum, dp, lengths=LENGTHS)) == \
+                sorted(step_union(1000, step, 8, 2, 1, lengths=LENGTHS))
+    resumed = StepBatchSampler(1000, micro_batch_size=4, grad_accum_steps=2, dp_rank=1, dp_size=2, seed=7,
+                               lengths=LENGTHS, start_step=steps + 2)
+    assert next(iter(resumed)) == grouped[1].micro_batches(steps + 2)[0]
 
 
 def test_resume_position_is_the_step_count():
