@@ -73,9 +73,9 @@ class Trainer:
             start = time.perf_counter()  # the step's clock includes fetching and collating its batches
             micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
             record = self.train_step(micro_batches, start)
-            if memory_pending and self.engine.model_state_bytes() is not None:  # same on every rank
-                record.update(gather_per_rank(self.engine.model_state_bytes(), self.ctx.world_size, self.ctx.rank,
-                                              self.ctx.device))
+            state_bytes = self.engine.model_state_bytes() if memory_pending else None
+            if state_bytes is not None:  # None until measured; the same on every rank
+                record.update(gather_per_rank(state_bytes, self.ctx.world_size, self.ctx.rank, self.ctx.device))
                 memory_pending = False
             self._emit(record)
             tokens, seconds = tokens + record["tokens"], seconds + record["step_time_s"]

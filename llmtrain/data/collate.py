@@ -12,6 +12,7 @@ their sample lengths as host ints; `for_attention` turns them into what the mode
 """
 
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 
@@ -75,7 +76,7 @@ class Batch:
     def _varlen_kwargs(self) -> dict:
         """Flash-attention varlen over the flattened rows: every sample, and each row's padding tail."""
         lengths = [length for row in self._row_segments() for length in row]
-        cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+        cu_seq_lens = torch.tensor(list(accumulate(lengths, initial=0)), dtype=torch.int32,
                                    device=self.input_ids.device)  # (segments + 1,)
         longest = max(lengths)
         return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
