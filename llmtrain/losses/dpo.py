@@ -1,0 +1,119 @@
+"""DPO losses as pure tensor functions, matched against TRL 1.16's DPOTrainer.
+
+A preference pair is scored by the policy's and the frozen reference's log-probabilities of the
+chosen and rejected completions (`sequence_logps`). The loss of a pair depends on
+    logits = (π_c − π_r) − (ref_c − ref_r)
+through a function picked from `DPO_LOSSES`. Losses are per pair; the caller sums them and divides
+by the number of pairs in the global batch. Metrics travel as sums (`dpo_stat_sums`), all-reduced
+by the caller, then turned into means by `dpo_metrics`.
+
+Where this differs from TRL 1.16 (`trl/trainer/dpo_trainer.py`, `_compute_loss`):
+- "sigmoid" with label_smoothing ε > 0 is the conservative DPO (cDPO) loss here. TRL 1.16's
+  "sigmoid" ignores `label_smoothing`; the same formula is its "aot" loss without the sorting
+  (identical for a single pair). Its "robust" loss is a different, debiased form.
+- "ipo" uses length-averaged log-probs, as TRL does (it divides each summed log-ratio by the number
+  of completion tokens). Pass `sequence_logps(..., average=True)` for the losses in
+  AVERAGED_LOGPS. The rewards and log-prob metrics are then per-token too, whereas TRL logs them
+  from summed log-probs even for IPO. (TRL counts completion tokens before the shift; the counts
+  agree unless a completion starts at position 0, i.e. with an empty prompt.)
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.losses.lm import IGNORE_INDEX
+
+# Order of the entries of `dpo_stat_sums`.
+DPO_STATS = ("reward_correct", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """(B,) fp32 sum (or per-token mean) of log p(target) over each row's target tokens.
+
+    logits: (B, T, V); labels: (B, T), aligned with input_ids (position t predicts label t+1),
+    IGNORE_INDEX where no log-prob counts (prompt, padding). A row without targets gives 0.
+    """
+    # Pad the shifted labels back to T rather than slicing logits[:, :-1]: the slice would copy the
+    # whole (B, T-1, V) tensor before the fp32 cast copies it again.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+    token_logps = -F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view_as(targets)  # (B, T), 0 where ignored
+    totals = token_logps.sum(dim=-1)  # (B,)
+    if not average:
+        return totals
+    return totals / (targets != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
+
+
+def sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """DPO: -logsigmoid(β·x); with ε = label_smoothing > 0, cDPO: the label is wrong with probability ε."""
+    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+
+
+def ipo_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """IPO: (x − 1/(2β))², β being the paper's τ; x from length-averaged log-probs (see AVERAGED_LOGPS)."""
+    del label_smoothing  # rejected for IPO by dpo_loss_terms
+    return (logits - 1 / (2 * beta)) ** 2
+
+
+DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+    "sigmoid": sigmoid_loss,
+    "ipo": ipo_loss,
+}
+# Losses that take per-token mean log-probs (`sequence_logps(..., average=True)`), as TRL does.
+AVERAGED_LOGPS = frozenset({"ipo"})
+# Losses that read label_smoothing; any other loss refuses a non-zero value rather than ignore it.
+SMOOTHED_LOSSES = frozenset({"sigmoid"})
+
+
+class DPOTerms(NamedTuple):
+    losses: torch.Tensor  # (P,) fp32, carries the gradient
+    chosen_rewards: torch.Tensor  # (P,) β(π_c − ref_c), detached
+    rejected_rewards: torch.Tensor  # (P,) β(π_r − ref_r), detached
+
+
+def dpo_loss_terms(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float = 0.0,
+) -> DPOTerms:
+    """Per-pair DPO losses and implicit rewards from (P,) sequence log-probs of policy and reference."""
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"dpo.loss={loss_type!r} is not a DPO loss; choose one of {sorted(DPO_LOSSES)}")
+    if label_smoothing and loss_type not in SMOOTHED_LOSSES:
+        raise ValueError(f"dpo.label_smoothing={label_smoothing} has no effect on dpo.loss={loss_type!r}; "
+                         f"it applies to {sorted(SMOOTHED_LOSSES)} only, set it to 0")
+    chosen_logratios = policy_chosen.float() - ref_chosen.float()  # (P,)
+    rejected_logratios = policy_rejected.float() - ref_rejected.float()  # (P,)
+    losses = DPO_LOSSES[loss_type](chosen_logratios - rejected_logratios, beta, label_smoothing)  # (P,)
+    return DPOTerms(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
+
+
+@torch.no_grad()
+def dpo_stat_sums(terms: DPOTerms, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor) -> torch.Tensor:
+    """(K,) float64 sums over pairs, named by DPO_STATS, for the caller to all-reduce."""
+    chosen, rejected = terms.chosen_rewards.double(), terms.rejected_rewards.double()  # (P,)
+    return torch.stack([
+        (chosen > rejected).double().sum(),  # strict: a tie is not a correct ranking
+        (chosen - rejected).sum(),
+        chosen.sum(),
+        rejected.sum(),
+        policy_chosen.detach().double().sum(),
+        policy_rejected.detach().double().sum(),
+    ])
+
+
+def dpo_metrics(sums: dict[str, float], num_pairs: int) -> dict[str, float]:
+    """All-reduced DPO_STATS sums over `num_pairs` pairs -> logged means over pairs."""
+    if num_pairs <= 0:
+        raise ValueError(f"dpo_metrics needs at least one pair, got num_pairs={num_pairs}")
+    metric_names = {"reward_correct": "reward_accuracy"}
+    return {metric_names.get(name, name): sums[name] / num_pairs for name in DPO_STATS}
