@@ -1,4 +1,4 @@
-"""Rows -> tokenised (optionally packed) examples, as a torch Dataset backed by arrow."""
+"""Rows -> tokenised (optionally packed) examples, or preference pairs, as a torch Dataset backed by arrow."""
 
 import contextlib
 from collections.abc import Iterator
@@ -7,6 +7,7 @@ import datasets
 import torch
 import torch.distributed as dist
 
+from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.errors import DataConfigError
 from llmtrain.data.formats import (
     CHUNKED,
@@ -21,17 +22,25 @@ from llmtrain.data.formats import (
 )
 from llmtrain.data.packing import merge_packed, pack_best_fit
 
+SEQUENCE_COLUMNS = ("input_ids", "labels")
+# An item of a preference dataset: both sides (ids and aligned labels), the row's margin and kind,
+# `length` (the longer side, for group_by_length) and `num_targets` (both sides' targets).
+PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "margin", "kind",
+                "length", "num_targets")
+
 
 class TokenizedExamples(torch.utils.data.Dataset):
     """Tokenised samples (arrow columns `input_ids`, `labels`, `length`) and an optional packing plan.
 
-    Without a plan, item i is sample i. With one, item i merges the samples in plan[i] into one
-    packed row (see `merge_packed`).
+    Without a plan, item i is sample i (a dict of `columns`). With one, item i merges the samples in
+    plan[i] into one packed row (see `merge_packed`). Preference pairs: `columns` is PAIR_COLUMNS, no plan.
     """
 
-    def __init__(self, rows: datasets.Dataset, plan: list[list[int]] | None = None):
+    def __init__(self, rows: datasets.Dataset, plan: list[list[int]] | None = None,
+                 columns: tuple[str, ...] = SEQUENCE_COLUMNS):
         self.rows = rows
         self.plan = plan
+        self.columns = columns
 
     def __len__(self) -> int:
         return len(self.rows) if self.plan is None else len(self.plan)
@@ -39,7 +48,7 @@ class TokenizedExamples(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         if self.plan is None:
             row = self.rows[int(index)]
-            return {"input_ids": row["input_ids"], "labels": row["labels"]}
+            return {name: row[name] for name in self.columns}
         group = self.rows[self.plan[int(index)]]  # columns of the group's samples
         samples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(group["input_ids"], group["labels"])]
         return merge_packed(samples)
@@ -61,23 +70,33 @@ def build_examples(
     overlong: str = "truncate",
     packing: bool = False,
 ) -> tuple[TokenizedExamples, DataStats]:
-    """Check settings, tokenise once (rank 0 first, others reuse the cache), drop, then pack."""
+    """Check settings, tokenise once (rank 0 first, others reuse the cache), drop, then pack.
+
+    With a preference format, items are pairs (PAIR_COLUMNS) and are never packed.
+    """
     check_columns(rows.column_names, fmt)
     check_tokenizer(tokenizer, fmt)
     check_length_policy(max_seq_len, overlong, fmt)
+    pairs = fmt in PREFERENCE_FORMATS
+    if pairs and packing:
+        raise DataConfigError(f"data.packing=true packs single sequences, but data.format={fmt} gives "
+                              f"chosen/rejected pairs, each kept whole as one example; set data.packing=false")
     with main_process_first():
         encoded = rows.map(
-            _encode_batch,
+            _encode_pair_batch if pairs else _encode_batch,
             batched=True,
             remove_columns=rows.column_names,
             fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_seq_len": max_seq_len, "overlong": overlong},
             desc=f"tokenising ({fmt})",
         )
         kept = encoded.filter(_is_kept, input_columns="outcome", batched=True, desc="dropping samples")
-    stats = DataStats.from_outcomes(list(encoded["outcome"]), list(encoded["length"]), list(encoded["num_targets"]))
+    tokens = encoded["num_tokens" if pairs else "length"]  # a pair's tokens are those of both sides
+    stats = DataStats.from_outcomes(list(encoded["outcome"]), list(tokens), list(encoded["num_targets"]))
     if stats.samples_out == 0:
         raise DataConfigError(f"no sample is left to train on ({stats.summary()}); raise data.max_seq_len, "
                               f"set data.overlong=truncate, or check that data.format={fmt} matches the data")
+    if pairs:
+        return TokenizedExamples(kept.select_columns(list(PAIR_COLUMNS)), None, PAIR_COLUMNS), stats
     kept = kept.select_columns(["input_ids", "labels", "length"])
     plan = pack_best_fit(list(kept["length"]), max_seq_len) if packing else None
     return TokenizedExamples(kept, plan), stats
@@ -115,6 +134,20 @@ def _encode_batch(batch: dict, tokenizer, fmt: str, max_seq_len: int, overlong: 
             out["outcome"].append(row["outcome"])
             out["length"].append(len(row["input_ids"]))
             out["num_targets"].append(count_targets(row["labels"]))
+    return out
+
+
+def _encode_pair_batch(batch: dict, tokenizer, fmt: str, max_seq_len: int, overlong: str) -> dict:
+    columns = list(batch)
+    out = {name: [] for name in (*PAIR_COLUMNS, "outcome", "num_tokens")}
+    for i in range(len(batch[columns[0]])):
+        pair = encode_row({name: batch[name][i] for name in columns}, tokenizer, fmt, max_seq_len, overlong)
+        chosen, rejected = pair["chosen_input_ids"], pair["rejected_input_ids"]
+        pair["length"] = max(len(chosen), len(rejected))
+        pair["num_tokens"] = len(chosen) + len(rejected)
+        pair["num_targets"] = count_targets(pair["chosen_labels"]) + count_targets(pair["rejected_labels"])
+        for name, values in out.items():
+            values.append(pair[name])
     return out
 
 
