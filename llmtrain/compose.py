@@ -41,8 +41,14 @@ def available_recipes() -> list[str]:
 
 
 def _register_resolvers() -> None:
+    """`${asset:REL}`: a file shipped in llmtrain/assets. `${base:RECIPE}`: that recipe's trained hf/ export,
+    built once into a cache (llmtrain/bases.py)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS_DIR / rel))
+    if not OmegaConf.has_resolver("base"):
+        from llmtrain.bases import resolve_base
+
+        OmegaConf.register_new_resolver("base", resolve_base)
 
 
 def split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
@@ -52,6 +58,12 @@ def split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
         raise ConfigError(f"pass recipe=NAME, one of: {', '.join(available_recipes())} "
                           "(or recipe=/path/to/your_recipe.yaml)")
     return recipe[-1].split("=", 1)[1], rest
+
+
+def _own_error(error: BaseException) -> ConfigError | None:
+    while error is not None and not isinstance(error, ConfigError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -69,8 +81,13 @@ def compose_config(overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(str(primary_dir), version_base=None):
             cfg = compose(name, overrides=[f"hydra.searchpath=[file://{conf_dir()}]", f"recipe={name}", *rest])
+        # Outside the `with`: Hydra's global state is cleared again, so a resolver may compose another
+        # recipe (${base:...} composes the base recipe to find its cache key).
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as error:
+        own = _own_error(error)
+        if own is not None:  # a resolver's ConfigError (a failed base build, a cycle): its message as is
+            raise own from None
         cause = f": {error.__cause__}" if error.__cause__ else ""
         raise ConfigError(f"config: {error}{cause}".split("\n    full_key")[0]) from None
     if cfg.output_dir is None:

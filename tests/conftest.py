@@ -1,4 +1,4 @@
-"""Shared fixtures: a saved tiny model folder every contender loads, and CLI runners."""
+"""Shared fixtures: a saved tiny model folder every contender loads, CLI runners, the base-model cache."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "llmtrain" / "assets" / "tokenizer"
 PYTHON = sys.executable
+# Trained base models (${base:...}, llmtrain/bases.py) are built once into <repo>/.cache and reused by
+# every later test run and CLI subprocess; a test that must build one sets its own LLMTRAIN_CACHE.
+os.environ.setdefault("LLMTRAIN_CACHE", str(REPO / ".cache"))
 
 
 def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0) -> Path:
