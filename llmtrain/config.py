@@ -128,7 +128,22 @@ class BackendConfig:
 
 @dataclass
 class StageConfig:
-    name: str = "pretrain"  # pretrain | sft
+    name: str = "pretrain"  # pretrain | sft | reward | dpo
+
+
+@dataclass
+class RewardConfig:
+    """stage=reward: pairwise loss -logsigmoid(r_chosen - r_rejected - margin) + center_coef·(r_c + r_r)²."""
+    margin_column: Optional[str] = None  # a data column with a per-pair margin (null: no margin)
+    center_coef: float = 0.0  # > 0 pulls the rewards' mean towards 0 (Eisenstein et al.; TRL's center_rewards)
+
+
+@dataclass
+class DPOConfig:
+    """stage=dpo: policy vs a frozen reference on the summed response log-probs of each pair."""
+    beta: float = 0.1
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
+    label_smoothing: float = 0.0  # > 0: conservative DPO (cDPO), the labels flipped with this probability
 
 
 @dataclass
@@ -152,6 +167,8 @@ class RunConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 def register_schema() -> None:
@@ -162,13 +179,15 @@ CHOICES = {
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "device": ("auto", "cpu", "cuda"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.format": ("text", "prompt_response", "alpaca", "messages"),
+    "data.format": ("text", "prompt_response", "alpaca", "messages", "preference"),
     "data.overlong": ("truncate", "drop", "chunk"),
     "backend.name": ("ddp", "deepspeed", "fsdp2"),
-    "stage.name": ("pretrain", "sft"),
+    "stage.name": ("pretrain", "sft", "reward", "dpo"),
+    "dpo.loss": ("sigmoid", "ipo"),
     "peft.name": ("none",),
 }
 SFT_FORMATS = ("prompt_response", "alpaca", "messages")
+PAIR_STAGES = ("reward", "dpo")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -208,13 +227,45 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += _batch_problems(t, data_parallel_size=data_parallel_size(cfg.backend, world_size))
     problems += _source_problems(cfg)
     problems += backend_config_problems(cfg.backend, world_size)
+    problems += stage_problems(cfg)
+    return problems
+
+
+def stage_problems(cfg: Any) -> list[str]:
+    """The chosen stage's own fields, and what it needs from data and model."""
+    name, d = cfg.stage.name, cfg.data
+    problems = []
+    if name in PAIR_STAGES:
+        if d.format != "preference":
+            problems.append(f"stage {name} trains on pairs: data.format={d.format!r} must be preference (rows with "
+                            "chosen and rejected, and optionally prompt)")
+        if d.packing:
+            problems.append(f"stage {name}: data.packing=true packs single sequences; pairs are not packed: "
+                            "set data.packing=false")
+        if cfg.model.dropout > 0:
+            problems.append(f"stage {name} runs every forward without dropout (as TRL does: the chosen and rejected "
+                            f"scores must come from the same function): model.dropout={cfg.model.dropout} must be 0")
+    if name == "reward" and cfg.reward.center_coef < 0:
+        problems.append(f"reward.center_coef={cfg.reward.center_coef} must be >= 0")
+    if name == "dpo":
+        if not cfg.dpo.beta > 0:
+            problems.append(f"dpo.beta={cfg.dpo.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
+        if not 0 <= cfg.dpo.label_smoothing < 0.5:
+            problems.append(f"dpo.label_smoothing={cfg.dpo.label_smoothing} must be in [0, 0.5)")
+        if cfg.dpo.loss == "ipo" and cfg.dpo.label_smoothing > 0:
+            problems.append("dpo.label_smoothing applies to dpo.loss=sigmoid only: set it to 0 with ipo")
     return problems
 
 
 def data_parallel_size(backend: BackendConfig, world_size: int) -> int:
-    """Ranks that see different data: tensor-parallel peers share theirs."""
-    tp = backend.tp if backend.name == "fsdp2" else 1
-    return max(1, world_size // max(1, tp))
+    """Ranks that see different data (tensor-parallel peers share theirs), from the run's ParallelDims;
+    for degrees that do not fit the world (reported by the backend check) world // tp."""
+    from llmtrain.parallel import ParallelDims
+
+    degrees = ParallelDims.degrees(backend)
+    if ParallelDims.problems(*degrees, world_size):
+        return max(1, world_size // max(1, degrees[2]))
+    return ParallelDims.build(*degrees, world_size).dp_size
 
 
 def backend_config_problems(backend: BackendConfig, world_size: int) -> list[str]:

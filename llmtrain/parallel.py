@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,10 @@ def init_distributed(device_preference: str, timeout_s: int) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # On GPUs, gloo beside NCCL: collectives on host tensors (FSDP2 cpu_offload's grad norm over CPU shards,
+        # object broadcasts) need a CPU backend; torchtitan does the same.
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
+            backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     return DistContext(dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size(), device)
@@ -128,6 +131,19 @@ class ParallelDims:
             return [f"{_degrees(dp_replicate, dp_shard, tp)} = {product}, not the world size {world_size} "
                     "(nnodes × nproc_per_node); set backend.dp_shard=-1 to infer it or change the degrees"]
         return []
+
+    @staticmethod
+    def degrees(backend: Any) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, tp) a backend config asks for: FSDP2 reads its fields; DDP and DeepSpeed
+        are pure data parallel over the world (1, -1, 1)."""
+        if backend.name == "fsdp2":
+            return backend.dp_replicate, backend.dp_shard, backend.tp
+        return 1, -1, 1
+
+    @classmethod
+    def from_backend(cls, backend: Any, world_size: int) -> "ParallelDims":
+        """The one place a run's layout (and so its data-parallel size) is computed."""
+        return cls.build(*cls.degrees(backend), world_size)
 
     @classmethod
     def build(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> "ParallelDims":

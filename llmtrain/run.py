@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -18,9 +19,9 @@ from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import planned_model_state_bytes
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
-from llmtrain.models.load import (build_model, count_parameters, load_tokenizer, model_config,
-                                  resolve_attn_implementation)
+from llmtrain.models.load import count_parameters, load_tokenizer, model_config, resolve_attn_implementation
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
+from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages import build_stage
 from llmtrain.trainer import Trainer, TrainerSettings
@@ -139,44 +140,38 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     if ctx.is_main:
         log.info("plan:\n%s", plan)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
+    stage = build_stage(cfg, tokenizer)  # may give the tokenizer what its roles need (a pad token != eos)
     data = build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
                       eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
                       max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing, tokenizer=tokenizer,
-                      seed=t.seed)
+                      seed=t.seed, rename_columns=stage_column_renames(cfg))
     if ctx.is_main:
         log.info("train data: %s", data.train_stats.summary())
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    torch.manual_seed(t.seed)  # identical random init on every rank
-    # DeepSpeed ZeRO-3: built under zero.Init, no rank holds the whole model. FSDP2: ranks other than 0
-    # build it on the meta device and wrap() fills their shards from rank 0's copy. DDP: no context.
-    with backend.model_init_context():
-        model = build_model(name_or_path=m.name_or_path, from_config=m.from_config, config_path=m.config_path,
-                            tokenizer=tokenizer,
-                            attn_implementation=resolve_attn_implementation(m.attn_implementation, ctx.device),
-                            dropout=m.dropout, activation_checkpointing=m.activation_checkpointing,
-                            trust_remote_code=m.trust_remote_code)
-    engine = backend.wrap(model, optimizer_spec(cfg))
+    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision)
+    engines = build_engines(stage.roles, backend, tokenizer,
+                            ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed, optimizer_spec(cfg))
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_yaml)
+    first = next(iter(engines.values()))
+    dp_rank, dp_size = first.dp_rank, first.dp_size
     settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
-                               global_batch_size=t.micro_batch_size * t.grad_accum_steps * engine.dp_size,
+                               global_batch_size=t.micro_batch_size * t.grad_accum_steps * dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
                                skip_nonfinite=t.skip_nonfinite)
-    pad_id = tokenizer.pad_token_id
-    attn = model.config._attn_implementation
     trainer = Trainer(
-        settings, ctx=ctx, stage=build_stage(cfg.stage.name), engine=engine,
+        settings, ctx=ctx, stage=stage, engines=engines,
         train_batches=lambda start: train_batches(
             data.train, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
-            dp_rank=engine.dp_rank, dp_size=engine.dp_size, seed=t.seed, pad_token_id=pad_id,
+            dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, collate_fn=stage.collate,
             num_workers=d.num_workers, start_step=start, group_by_length=d.group_by_length),
         eval_batches=None if data.eval is None else eval_batches(
-            data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=engine.dp_rank,
-            dp_size=engine.dp_size, pad_token_id=pad_id),
+            data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=dp_rank,
+            dp_size=dp_size, collate_fn=stage.collate),
         checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
         prepare_batch=batch_preparer(ctx.device, precision, attn))
     if resume_dir is not None:
@@ -184,13 +179,34 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     trainer.sinks = _sinks(cfg, ctx, run_dir, trainer.step, resume_dir is not None) if ctx.is_main else []
     try:
         trainer.fit()
-        engine.export_hf(run_dir / "hf")
-        if ctx.is_main:
-            tokenizer.save_pretrained(run_dir / "hf")
-            log.info("done: %d steps; Hugging Face export in %s", trainer.step, run_dir / "hf")
+        export(stage, engines, tokenizer, run_dir, ctx)
     finally:
         for sink in trainer.sinks:
             sink.close()
+
+
+def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> None:
+    """Every trainable role as a Hugging Face folder: the first in `hf/`, others in `<role>_hf/`, each with
+    the tokenizer and whatever the stage adds to its config (a reward model's reward mean/std)."""
+    trainable = [role for role, spec in stage.roles.items() if spec.trainable]
+    for i, role in enumerate(trainable):
+        directory = run_dir / ("hf" if i == 0 else f"{role}_hf")
+        engines[role].export_hf(directory)
+        if ctx.is_main:
+            tokenizer.save_pretrained(directory)
+            extra = getattr(stage, "export_config", lambda role: {})(role)
+            if extra:
+                config_file = directory / "config.json"
+                config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **extra}, indent=2) + "\n")
+            log.info("%s: Hugging Face export in %s", role, directory)
+    if ctx.is_main:
+        log.info("done: %d roles exported", len(trainable))
+
+
+def stage_column_renames(cfg: DictConfig) -> dict[str, str]:
+    """Data columns a stage reads under its own name (reward.margin_column -> margin)."""
+    column = cfg.reward.margin_column if cfg.stage.name == "reward" else None
+    return {column: "margin"} if column else {}
 
 
 def batch_preparer(device: torch.device, precision: str, attn_implementation: str):

@@ -2,7 +2,9 @@
 
 A Backend wraps a model into an Engine (`optim=None`: frozen, no optimizer). The Engine is all the
 trainer and the stages see: forward through `engine.module`, `backward(loss)` with the loss already
-normalised to this rank's share of the global-batch mean, `clip_grad_norm()`, `step()`.
+normalised to this rank's share of the global-batch mean, `clip_or_fused_step()`, `step()`.
+Every role of a run is wrapped by the same Backend: one ParallelDims, one device mesh, the same
+data-parallel coordinates for every role.
 Each engine knows how its gradient reduction scales the loss (DDP averages over ranks), so the
 token normalisation is applied exactly once, whatever the backend.
 """
@@ -15,9 +17,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from llmtrain.parallel import DistContext, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,10 @@ class OptimizerSpec:
 
 
 class Engine(Protocol):
+    ctx: "DistContext"  # rank, world size, device
     module: torch.nn.Module  # call for forward (may be a wrapper)
     model: torch.nn.Module  # the underlying Hugging Face model
+    trainable: bool  # False: wrapped with optim=None (no optimizer, no gradients, nothing checkpointed)
     dp_rank: int  # this rank's data-parallel coordinate: which examples it reads
     dp_size: int  # ranks that read different examples (tensor-parallel peers share theirs)
     dp_group: object  # process group over which loss/token sums are reduced (None: the world)
@@ -44,24 +51,48 @@ class Engine(Protocol):
     def autocast(self) -> AbstractContextManager: ...
     def no_sync(self, is_last_micro_batch: bool) -> AbstractContextManager: ...
     def backward(self, loss: torch.Tensor) -> None: ...
-    # Global gradient norm before clipping. An engine whose library fuses norm, clip and update in one
-    # call (DeepSpeed) applies the update here, never with non-finite gradients; its step()/skip_step()
-    # then only keep the lr schedule on the step count. The trainer reads current_lr() before this call.
-    def clip_grad_norm(self) -> torch.Tensor: ...
+    # Returns the global gradient norm before clipping, and clips. An engine whose library fuses norm, clip
+    # and update in one call (DeepSpeed) APPLIES THE UPDATE here, never with non-finite gradients; its
+    # step()/skip_step() then only keep the lr schedule on the step count. Others update in step().
+    # Read current_lr() before this call.
+    def clip_or_fused_step(self) -> torch.Tensor: ...
     def step(self) -> None: ...
     def skip_step(self) -> None: ...
     def current_lr(self) -> float: ...
+    # Bytes this rank holds for the model's states (params, grads, optimizer...), measured during the
+    # first optimizer step; None before that (and always for a frozen engine: its params are in the plan).
+    def model_state_bytes(self) -> dict[str, float] | None: ...
     def save_checkpoint(self, directory: Path) -> None: ...
     def load_checkpoint(self, directory: Path) -> None: ...
     def export_hf(self, directory: Path) -> None: ...
 
 
 class Backend(Protocol):
+    dims: "ParallelDims"  # the run's layout, shared by every role this backend wraps
+
     # Entered around model construction: DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init so
-    # no rank ever holds the whole model; FSDP2 builds it on the meta device on ranks other than 0 (wrap()
-    # fills their shards from rank 0); DDP needs nothing (nullcontext).
+    # no rank ever holds the whole model (scoped: the next role is built as its own context says); FSDP2
+    # builds it on the meta device on ranks other than 0 (wrap() fills their shards from rank 0); DDP
+    # needs nothing (nullcontext).
     def model_init_context(self) -> AbstractContextManager: ...
+    # Around writing the given parameters at init (seeded init of a module): ZeRO-3 gathers them whole and
+    # partitions rank 0's values again afterwards; elsewhere nothing.
+    def gathered_for_init(self, params: list[torch.nn.Parameter]) -> AbstractContextManager: ...
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> Engine: ...
+
+
+def local_state_bytes(params: list[torch.Tensor], grads: list[torch.Tensor], optimizer) -> dict[str, float]:
+    """Bytes of this rank's parameters, gradients and optimizer state (local shards of DTensors only)."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    optim_bytes = 0
+    if optimizer is not None:
+        optim_bytes = sum(local(v) for state in optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor) and v.ndim > 0)  # skip the scalar step counts
+    return {"params": float(sum(local(p) for p in params)), "grads": float(sum(local(g) for g in grads)),
+            "optimizer": float(optim_bytes)}
 
 
 def lr_factor(step: int, *, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -101,8 +132,16 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 class ScaledOptimizerSteps:
-    """autocast / step / skip_step / current_lr for engines that own a torch `optimizer`, `scheduler`,
-    a (possibly disabled) GradScaler `scaler`, `compute_dtype` and `ctx` (DDP, FSDP2)."""
+    """autocast / step / skip_step / current_lr / model_state_bytes for engines that own a torch
+    `optimizer` (None: frozen), `scheduler`, a (possibly disabled) GradScaler `scaler`, `compute_dtype`
+    and `ctx` (DDP, FSDP2)."""
+
+    _state_bytes: dict[str, float] | None = None
+    _grad_bytes: float = 0.0
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
 
     @property
     def skips_nonfinite_grads(self) -> bool:
@@ -118,6 +157,7 @@ class ScaledOptimizerSteps:
         self.scaler.step(self.optimizer)  # fp16: skipped by the scaler when gradients overflowed
         self.scaler.update()
         self.scheduler.step()
+        self._measure_optimizer()
         self.optimizer.zero_grad(set_to_none=True)
 
     def skip_step(self) -> None:
@@ -128,3 +168,29 @@ class ScaledOptimizerSteps:
 
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    def model_state_bytes(self) -> dict[str, float] | None:
+        return self._state_bytes
+
+    def _measure_after_step(self, grads: list[torch.Tensor]) -> None:
+        """Once, at the first optimizer step: gradients are read before the update clears them."""
+        if self._state_bytes is None and self.optimizer is not None:
+            self._grad_bytes = local_state_bytes([], grads, None)["grads"]
+
+    def _measure_optimizer(self) -> None:
+        if self._state_bytes is None and self.optimizer is not None and self.optimizer.state:
+            self._state_bytes = {**local_state_bytes(list(self.model.parameters()), [], self.optimizer),
+                                 "grads": self._grad_bytes}
+
+
+FROZEN_MARKER = "frozen.json"
+
+
+def save_frozen(directory: Path, model: torch.nn.Module, is_main: bool) -> None:
+    """A frozen role's checkpoint is a pointer to where its weights come from: they never change."""
+    if is_main:
+        import json
+
+        directory.mkdir(parents=True, exist_ok=True)
+        source = getattr(getattr(model, "config", None), "_name_or_path", "") or "model.from_config (seeded init)"
+        (directory / FROZEN_MARKER).write_text(json.dumps({"frozen": True, "source": str(source)}, indent=1))

@@ -13,8 +13,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_adamw,
-                                    build_scheduler)
-from llmtrain.parallel import DistContext
+                                    build_scheduler, save_frozen)
+from llmtrain.parallel import DistContext, ParallelDims
 
 
 def load_file(path: Path) -> dict:
@@ -24,7 +24,7 @@ def load_file(path: Path) -> dict:
 class DDPEngine(ScaledOptimizerSteps):
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str):
         self.ctx = ctx
-        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None
+        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None  # ParallelDims(1, world, 1)
         self.model = model.to(ctx.device)
         self.optim_spec = optim
         self.compute_dtype = autocast_dtype(precision)
@@ -56,16 +56,21 @@ class DDPEngine(ScaledOptimizerSteps):
         # DDP averages gradients over ranks; the loss is this rank's share of a global *sum*-based mean.
         self.scaler.scale(loss * self.ctx.world_size).backward()
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Global gradient norm before clipping (clips in place when optim.max_grad_norm > 0)."""
+    def clip_or_fused_step(self) -> torch.Tensor:
+        """Global gradient norm before clipping (clips in place when optim.max_grad_norm > 0); the update
+        itself happens in step()."""
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
+        self._measure_after_step([p.grad for p in params])
         max_norm = self.optim_spec.max_grad_norm
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
 
     def save_checkpoint(self, directory: Path) -> None:
+        if not self.trainable:
+            save_frozen(directory, self.model, self.ctx.is_main)
+            return
         if self.ctx.is_main:
             directory.mkdir(parents=True, exist_ok=True)
             torch.save(self.model.state_dict(), directory / "model.pt")
@@ -75,6 +80,8 @@ class DDPEngine(ScaledOptimizerSteps):
                 torch.save(self.scaler.state_dict(), directory / "scaler.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
+        if not self.trainable:
+            return  # rebuilt from its source at start: nothing of it changes in training
         self.model.load_state_dict(load_file(directory / "model.pt"))
         self.optimizer.load_state_dict(load_file(directory / "optimizer.pt"))
         self.scheduler.load_state_dict(load_file(directory / "scheduler.pt"))
@@ -89,8 +96,12 @@ class DDPEngine(ScaledOptimizerSteps):
 class DDPBackend:
     def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
         self.ctx, self.precision = ctx, precision  # options: DDP has none
+        self.dims = ParallelDims.build(1, -1, 1, ctx.world_size)  # = ParallelDims.from_backend
 
     def model_init_context(self):
+        return contextlib.nullcontext()
+
+    def gathered_for_init(self, params):
         return contextlib.nullcontext()
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DDPEngine:

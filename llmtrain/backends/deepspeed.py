@@ -9,8 +9,8 @@ How the trainer's contract maps onto DeepSpeed:
   DeepSpeed would divide it by gradient_accumulation_steps (we pass `scale_wrt_gas=False`) and averages
   gradients over the dp ranks (we multiply by dp size): what reaches the optimizer is the gradient of the
   global mean, exactly as under DDP (the grad-norm parity test proves it);
-- DeepSpeed computes the gradient norm, clips and updates in one call, so `clip_grad_norm()` runs
-  DeepSpeed's boundary step and returns its norm; DeepSpeed refuses an update with non-finite gradients
+- DeepSpeed computes the gradient norm, clips and updates in one call, so `clip_or_fused_step()` runs
+  DeepSpeed's boundary step (the update) and returns its norm; DeepSpeed refuses an update with non-finite gradients
   itself (its overflow check), and `step()`/`skip_step()` only keep the schedule on the step count.
 """
 
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.base import OptimizerSpec, build_adamw, build_scheduler, param_groups
+from llmtrain.backends.base import OptimizerSpec, build_adamw, build_scheduler, param_groups, save_frozen
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
 from llmtrain.config import ConfigError
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
-from llmtrain.parallel import DistContext, barrier
+from llmtrain.parallel import DistContext, ParallelDims, barrier
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,9 @@ class DeepSpeedEngine:
                  settings: DeepSpeedSettings, ds_config: dict):
         deepspeed = _import_deepspeed()
         self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
-        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None
+        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None  # ParallelDims(1, world, 1)
         self.stage = settings.zero_stage
+        self.trainable = optim is not None
         self.skips_nonfinite_grads = precision == "fp16"  # DeepSpeed's dynamic loss scaler skips overflows
         self.optimizer_name = None
         self.optimizer = self.scheduler = None
@@ -132,14 +133,17 @@ class DeepSpeedEngine:
                      settings.offload_param.device)
 
     def _init_frozen(self, deepspeed, model, ds_config) -> None:
-        """No optimizer (reference/reward models): ZeRO-3 keeps the weights partitioned, others hold them whole."""
+        """No optimizer (reference/reward models): ZeRO-3 keeps the weights partitioned, others hold them whole.
+        Either way the weights are in the compute dtype, as DeepSpeed holds a trainable model's (bf16/fp16
+        working copy): a frozen copy of the policy computes exactly what the policy computes at step 0."""
         model.requires_grad_(False).eval()
         if self.stage == 3:
             self.ds, _, _, _ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False)
             self.module, self.model = self.ds, self.ds.module
         else:
             self.ds = None
-            self.module = self.model = model.to(self.ctx.device)
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+            self.module = self.model = model.to(self.ctx.device, dtype=dtype)
 
     # ---- the step ------------------------------------------------------------------------------
     def autocast(self):
@@ -159,8 +163,8 @@ class DeepSpeedEngine:
             for role in ("grads", "buffers"):
                 self._grad_peak[role] = max(self._grad_peak.get(role, 0), ledger.bytes[role])
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Run DeepSpeed's boundary step (norm, clip at optim.max_grad_norm, update, schedule); return the norm
+    def clip_or_fused_step(self) -> torch.Tensor:
+        """Run DeepSpeed's boundary step (norm, clip at optim.max_grad_norm, UPDATE, schedule); return the norm
         before clipping. Non-finite gradients: DeepSpeed discards the update (ZeRO-0 fp32: we do)."""
         own = None
         if self._own_norm:
@@ -256,6 +260,9 @@ class DeepSpeedEngine:
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:
         """All ranks: DeepSpeed writes its own layout (model states, each rank's ZeRO partition) under TAG."""
+        if not self.trainable:
+            save_frozen(directory, self.model, self.ctx.is_main)
+            return
         directory.mkdir(parents=True, exist_ok=True)
         self.ds.save_checkpoint(str(directory), tag=TAG, client_state={}, save_latest=True)
         if self.ctx.is_main:
@@ -265,6 +272,8 @@ class DeepSpeedEngine:
     def load_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's loader unpickles its files in full (torch.load(weights_only=False)): load only
         checkpoints you trust. Everything llmtrain itself loads stays weights_only=True."""
+        if not self.trainable:
+            return  # rebuilt from its source at start: nothing of it changes in training
         if not (directory / META).is_file():
             raise ConfigError(f"resume: {directory} holds no DeepSpeed checkpoint (written by another backend?): "
                               "resume with the backend that wrote it")
@@ -390,7 +399,7 @@ class DeepSpeedBackend:
         check_ops(self.settings)  # before the model loads
         # DeepSpeed's comm layer wraps the process group llmtrain already started (zero.Init needs it).
         _import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
-        self._hf_ds_config = None
+        self.dims = ParallelDims.build(1, -1, 1, ctx.world_size)  # = ParallelDims.from_backend
 
     def ds_config(self, max_grad_norm: float, model: torch.nn.Module | None = None) -> dict:
         """`model` sizes the "auto" buckets; None before it exists (zero.Init), where they are left out."""
@@ -411,14 +420,28 @@ class DeepSpeedBackend:
     @contextlib.contextmanager
     def model_init_context(self):
         """ZeRO-3: let transformers build the model under deepspeed.zero.Init (via HfDeepSpeedConfig), so
-        each rank only ever holds its partition; a 70B never materialises whole on one rank."""
-        if self.settings.zero_stage == 3:
-            _import_deepspeed()
-            from transformers.integrations import HfDeepSpeedConfig
+        each rank only ever holds its partition; a 70B never materialises whole on one rank.
+        transformers keeps that config in a module global: it is set for this build only and unset after,
+        so building one role never changes how the next is built (a ZeRO-2 role after a ZeRO-3 one)."""
+        if self.settings.zero_stage != 3:
+            yield
+            return
+        _import_deepspeed()
+        from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-            # transformers keeps only a weak reference: the backend holds it for the whole run.
-            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config(max_grad_norm=0.0))  # zero.Init reads ZeRO keys
-        yield
+        hf_ds_config = HfDeepSpeedConfig(self.ds_config(max_grad_norm=0.0))  # held: transformers keeps a weakref
+        try:
+            yield
+        finally:
+            unset_hf_deepspeed_config()
+            del hf_ds_config
+
+    def gathered_for_init(self, params):
+        """ZeRO-3: the parameters whole on every rank while they are written; rank 0's values are kept."""
+        if self.settings.zero_stage != 3 or not any(hasattr(p, "ds_id") for p in params):
+            return contextlib.nullcontext()
+        return _import_deepspeed().zero.GatheredParameters(params, modifier_rank=0)
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DeepSpeedEngine:
         config = self.ds_config(max_grad_norm=optim.max_grad_norm if optim is not None else 0.0, model=model)

@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llmtrain.backends.base import OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler, param_groups
+from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler, param_groups,
+                                    save_frozen)
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims
 
@@ -181,10 +182,9 @@ def split_groups_by_mesh(groups: list[dict]) -> list[dict]:
 
 class FSDP2Engine(ScaledOptimizerSteps):
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
-                 dims: ParallelDims, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
+                 dims: ParallelDims, mesh, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
                  compile: bool = False):
-        self.ctx, self.dims, self.optim_spec = ctx, dims, optim
-        self.mesh = dims.build_mesh(ctx.device.type)
+        self.ctx, self.dims, self.optim_spec, self.mesh = ctx, dims, optim, mesh
         data_mesh = self.mesh["dp"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
         self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
         # GPU + bf16: FSDP keeps fp32 shards (the optimizer's master weights), all-gathers bf16 copies
@@ -241,9 +241,11 @@ class FSDP2Engine(ScaledOptimizerSteps):
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Global gradient norm before clipping (clips in place when optim.max_grad_norm > 0)."""
+    def clip_or_fused_step(self) -> torch.Tensor:
+        """Global gradient norm before clipping (clips in place when optim.max_grad_norm > 0); the update
+        itself happens in step()."""
         self.scaler.unscale_(self.optimizer)
+        self._measure_after_step(self._grads())
         norm = total_grad_norm(self._grads())
         max_norm = self.optim_spec.max_grad_norm
         if max_norm > 0:
@@ -252,24 +254,12 @@ class FSDP2Engine(ScaledOptimizerSteps):
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
         return norm
 
-    # ---- memory ---------------------------------------------------------------------------------
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
-        def local(t: torch.Tensor) -> int:
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
-
-        params = list(self.model.parameters())
-        optim_bytes = 0
-        if self.optimizer is not None:
-            optim_bytes = sum(local(v) for state in self.optimizer.state.values() for v in state.values()
-                              if isinstance(v, torch.Tensor) and v.ndim > 0)  # skip the scalar step counts
-        return {"params": sum(local(p) for p in params),
-                "grads": sum(local(p.grad) for p in params if p.grad is not None), "optimizer": optim_bytes}
-
     # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------
     def save_checkpoint(self, directory: Path) -> None:
         """Sharded model + optimizer (DCP, loads into any mesh) and, from rank 0, scheduler/scaler."""
+        if not self.trainable:
+            save_frozen(directory, self.model, self.ctx.is_main)
+            return
         directory.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer or (), options=DCP_OPTIONS)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory / "dcp")
@@ -279,6 +269,8 @@ class FSDP2Engine(ScaledOptimizerSteps):
                 torch.save(self.scaler.state_dict(), directory / "scaler.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
+        if not self.trainable:
+            return  # rebuilt from its source at start: nothing of it changes in training
         if not (directory / "dcp").is_dir():
             raise FileNotFoundError(f"{directory} holds no FSDP2 checkpoint (dcp/): it was saved by another "
                                     "backend; resume with that backend or start from its Hugging Face export")
@@ -319,6 +311,7 @@ class FSDP2Backend:
         self.ctx, self.precision = ctx, precision
         self.dims = ParallelDims.build(options.get("dp_replicate", 1), options.get("dp_shard", -1),
                                        options.get("tp", 1), ctx.world_size)
+        self.mesh = self.dims.build_mesh(ctx.device.type)  # once per run: every role shares it
         self.settings = {k: options[k] for k in ("reshard_after_forward", "cpu_offload", "compile") if k in options}
 
     def model_init_context(self):
@@ -327,4 +320,7 @@ class FSDP2Backend:
         return contextlib.nullcontext() if self.ctx.is_main else torch.device("meta")
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
-        return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, **self.settings)
+        return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, self.mesh, **self.settings)
+
+    def gathered_for_init(self, params):
+        return contextlib.nullcontext()  # rank 0 holds the whole model at init; the others are on meta

@@ -83,12 +83,17 @@ class Batch:
                 "max_length_q": longest, "max_length_k": longest}
 
 
+FILLER = "__filler__"  # an eval example that only keeps a rank in step with the others: no loss, no count
+
+
 def collate(examples: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> Batch:
-    """Right-pad examples to the longest row (rounded up to pad_to_multiple_of); labels pad with -100."""
+    """Right-pad examples to the longest row (rounded up to pad_to_multiple_of); labels pad with -100.
+    A FILLER example keeps its tokens and loses its targets."""
     lengths = [len(example["input_ids"]) for example in examples]
     width = _padded_width(max(lengths), pad_to_multiple_of)
     input_ids = _pad_rows([e["input_ids"] for e in examples], width, pad_token_id)  # (B, T)
-    labels = _pad_rows([e["labels"] for e in examples], width, IGNORE_INDEX)  # (B, T)
+    labels = _pad_rows([[IGNORE_INDEX] * len(e["labels"]) if e.get(FILLER) else e["labels"] for e in examples],
+                       width, IGNORE_INDEX)  # (B, T)
     num_targets = int(count_target_tokens(labels))
     if not any("position_ids" in example for example in examples):
         attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()  # (B, T)

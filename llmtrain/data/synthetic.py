@@ -106,6 +106,8 @@ def main() -> None:
     write_jsonl(ASSET_DATA_DIR / "grammar_eval.jsonl", grammar_text_samples(256, seed=4))
     write_jsonl(ASSET_DATA_DIR / "reverse_prefs_train.jsonl", reversal_preferences(4000, seed=5))
     write_jsonl(ASSET_DATA_DIR / "reverse_prefs_eval.jsonl", reversal_preferences(512, seed=6))  # 256 of each kind
+    write_jsonl(ASSET_DATA_DIR / "reverse_prefs_easy_train.jsonl", reversal_preferences(2000, seed=7, kinds=("easy",)))
+    write_jsonl(ASSET_DATA_DIR / "reverse_prefs_easy_eval.jsonl", reversal_preferences(256, seed=8, kinds=("easy",)))
     print(f"wrote {ASSET_DATA_DIR}")
 
 

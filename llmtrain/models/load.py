@@ -6,6 +6,7 @@ on the CPU; the backend moves, wraps and casts it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from llmtrain.config import ConfigError
 from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
+from llmtrain.models.init import Gather, missing_modules, seeded_init
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,20 @@ def load_tokenizer(source: str, trust_remote_code: bool):
         else:
             tokenizer.add_special_tokens({"pad_token": "<pad>"})  # grows the vocabulary: embeddings resize
     return tokenizer
+
+
+def use_distinct_pad_token(tokenizer) -> None:
+    """Give a tokenizer whose pad is its eos another pad token: the unk token when it has one (no new
+    embedding row), else a new `<|pad|>`. A sequence classifier exported with pad == eos would be pooled
+    by transformers at the token before the EOS (it looks for the last non-pad token)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return
+    if tokenizer.unk_token is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
+        tokenizer.pad_token = tokenizer.unk_token
+    else:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # grows the vocabulary: embeddings resize
+    log.info("pad token: %s (id %d), not the eos: the exported model pools at the EOS in transformers too",
+             tokenizer.pad_token, tokenizer.pad_token_id)
 
 
 def model_config(name_or_path: str | None, from_config: dict | None, config_path: str | None,
@@ -54,11 +70,13 @@ def model_config(name_or_path: str | None, from_config: dict | None, config_path
     return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
 
 
-def resolve_attn_implementation(requested: str, device: torch.device) -> str:
-    """auto: flash-attention 2 (varlen for packed rows) on a GPU that has it installed, else sdpa per sample."""
+def resolve_attn_implementation(requested: str, device: torch.device, precision: str = "bf16") -> str:
+    """auto: flash-attention 2 (varlen for packed rows) on a GPU that has it installed and a 16-bit compute
+    dtype (its kernels reject fp32), else sdpa per sample."""
     if requested != "auto":
         return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if (device.type == "cuda" and precision in ("bf16", "fp16")
+            and importlib.util.find_spec("flash_attn") is not None):
         return "flash_attention_2"
     return SEGMENT_ATTENTION
 
@@ -69,33 +87,59 @@ def set_dropout(config: PretrainedConfig, dropout: float) -> None:
             setattr(config, name, dropout)
 
 
+HEADS = ("lm", "scalar")  # next-token logits; one score per token (reward model / critic), pooled by the stage
+
+
+def auto_class(head: str):
+    """The transformers auto class for a head: a causal LM, or the family's sequence classifier with one label
+    (a linear `score` layer on the last hidden states)."""
+    from transformers import AutoModelForSequenceClassification
+
+    if head not in HEADS:
+        raise ConfigError(f"model head {head!r} is not one of {', '.join(HEADS)}")
+    return AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+
+
 def build_model(*, name_or_path: str | None, from_config: dict | None, config_path: str | None,
                 tokenizer: Any, attn_implementation: str, dropout: float,
-                activation_checkpointing: bool, trust_remote_code: bool) -> torch.nn.Module:
-    """An fp32 causal LM on the CPU, its embeddings sized to the tokenizer.
+                activation_checkpointing: bool, trust_remote_code: bool, head: str = "lm", seed: int = 0,
+                gather: Gather | None = None) -> torch.nn.Module:
+    """An fp32 model on the CPU (a causal LM, or with `head="scalar"` a one-label sequence classifier), its
+    embeddings sized to the tokenizer.
 
-    Under a `torch.device("meta")` context (FSDP2 on ranks other than 0) the same modules are built
-    without storage and nothing is read: from_pretrained refuses meta, so the architecture comes from
-    the checkpoint's config; the backend fills the weights in later."""
+    Random weights (from_config, or a head the checkpoint lacks) come from `seeded_init`: the same for a
+    seed on every backend and world size. Under a `torch.device("meta")` context (FSDP2 on ranks other
+    than 0) the same modules are built without storage and nothing is read: from_pretrained refuses meta,
+    so the architecture comes from the checkpoint's config; the backend fills the weights in later."""
     config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer))
     set_dropout(config, dropout)
     config.use_cache = False
+    if head == "scalar":
+        config.num_labels = 1
     if attn_implementation == SEGMENT_ATTENTION:
         register_segment_attention()
     on_meta = torch.get_default_device().type == "meta"
+    cls = auto_class(head)
+    gather = gather or (lambda params: contextlib.nullcontext())
     if from_config is not None or on_meta:
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                     dtype=torch.float32, trust_remote_code=trust_remote_code)
+            model = cls.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32,
+                                    trust_remote_code=trust_remote_code)
         except Exception as error:
             if not on_meta:
                 raise
             raise ConfigError(f"{name_or_path or config.model_type}: the model cannot be built on the meta device "
                               f"({type(error).__name__}: {error}); use backend=ddp or backend=deepspeed") from error
+        if not on_meta:
+            seeded_init(model, seed, gather=gather)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = cls.from_pretrained(
             name_or_path, config=config, attn_implementation=attn_implementation, dtype=torch.float32,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, output_loading_info=True)
+        new = missing_modules(info["missing_keys"])
+        if new:
+            log.info("%s: %s not in the checkpoint, initialised from the seed", name_or_path, ", ".join(sorted(new)))
+            seeded_init(model, seed, modules=new, gather=gather)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         # The mean-and-covariance init of the new rows reads values, which meta tensors have none of.
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not on_meta)

@@ -1,9 +1,23 @@
-"""Stages by name: each turns a Batch into loss sums with pure functions from llmtrain.losses."""
+"""Stages by name. A builder maps the config onto a stage's plain arguments (config stops at builders);
+each stage module is imported only when chosen."""
 
-from llmtrain.stages.causal_lm import CausalLMStage
+from __future__ import annotations
 
-STAGES = {"pretrain": CausalLMStage, "sft": CausalLMStage}
+import importlib
+
+from llmtrain.stages.base import ModelSource
+
+# name -> (module, builder function): builder(cfg, source, tokenizer) -> Stage
+STAGES = {"pretrain": ("llmtrain.stages.causal_lm", "build"), "sft": ("llmtrain.stages.causal_lm", "build"),
+          "reward": ("llmtrain.stages.reward", "build"), "dpo": ("llmtrain.stages.dpo", "build")}
 
 
-def build_stage(name: str):
-    return STAGES[name](name)
+def model_source(model_cfg) -> ModelSource:
+    """The run's `model.*` weights source (roles built from the run's model use it)."""
+    from_config = None if model_cfg.from_config is None else dict(model_cfg.from_config)
+    return ModelSource(model_cfg.name_or_path, from_config, model_cfg.config_path, model_cfg.trust_remote_code)
+
+
+def build_stage(cfg, tokenizer):
+    module_name, builder = STAGES[cfg.stage.name]
+    return getattr(importlib.import_module(module_name), builder)(cfg, model_source(cfg.model), tokenizer)

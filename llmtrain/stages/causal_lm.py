@@ -1,4 +1,4 @@
-"""Pretrain and SFT share one stage: next-token loss on target tokens.
+"""Pretrain and SFT share one stage: next-token loss on target tokens, one trainable role "policy".
 
 They differ only in their data: pretraining labels every token, SFT labels only the response
 (the data formats set -100 elsewhere), so the loss code cannot drift between them.
@@ -6,25 +6,57 @@ They differ only in their data: pretraining labels every token, SFT labels only 
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import torch
 
+from llmtrain.data.collate import Batch, collate
 from llmtrain.losses.lm import count_target_tokens, lm_correct_count, lm_loss_sum
+from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
 
 
 class CausalLMStage:
-    roles = {"policy": True}  # role -> trainable
+    count_name = "tokens"
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, source: ModelSource, pad_token_id: int):
         self.name = name
+        self.roles = {"policy": RoleSpec(source, head="lm", trainable=True)}
+        self.collate = partial(collate, pad_token_id=pad_token_id)
 
-    def micro_batch_loss(self, module: torch.nn.Module, batch) -> torch.Tensor:
-        """Summed loss over the micro-batch's target tokens (the trainer normalises it)."""
+    @staticmethod
+    def micro_batch_loss(module: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed loss over the micro-batch's target tokens (the updater normalises it); no statistics."""
         logits = module(**batch.model_inputs()).logits  # (B, T, V)
-        return lm_loss_sum(logits, batch.labels)
+        return lm_loss_sum(logits, batch.labels), torch.zeros(0, device=logits.device)
+
+    def train_step(self, micro_batches: list[Batch], engines: dict, updater: Updater) -> dict:
+        targets = sum(b.num_targets for b in micro_batches)  # counted on the host: no device sync
+        result = updater.update(engines["policy"], micro_batches, self.micro_batch_loss, targets)
+        return {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens": result.count}
 
     @torch.no_grad()
-    def eval_sums(self, module: torch.nn.Module, batch) -> torch.Tensor:
-        """[loss sum, target tokens, correctly predicted target tokens] as a float tensor (3,)."""
-        logits = module(**batch.model_inputs()).logits  # (B, T, V)
-        return torch.stack([lm_loss_sum(logits, batch.labels), count_target_tokens(batch.labels).float(),
-                            lm_correct_count(logits, batch.labels).float()])
+    def evaluate(self, batches, engines: dict) -> dict:
+        engine = engines["policy"]
+        engine.module.eval()
+        sums = [torch.zeros((), dtype=torch.float64, device=engine.ctx.device) for _ in range(3)]
+        for batch in batches:
+            with engine.autocast():
+                logits = engine.module(**batch.model_inputs()).logits  # (B, T, V)
+            for i, value in enumerate((lm_loss_sum(logits, batch.labels), count_target_tokens(batch.labels),
+                                       lm_correct_count(logits, batch.labels))):
+                sums[i] += value.double()
+        loss_sum, targets, correct = reduce_sums(sums, engine)
+        eval_loss = loss_sum / max(targets, 1)
+        return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
+                "eval_accuracy": correct / max(targets, 1), "eval_tokens": int(targets)}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def build(cfg, source: ModelSource, tokenizer) -> CausalLMStage:
+    return CausalLMStage(cfg.stage.name, source, tokenizer.pad_token_id)

@@ -254,16 +254,18 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
     # 1. model-state bytes at dp=2: local shards of params + grads (after backward) + Adam m, v (after step)
     model = load()
     report["parameters"] = sum(p.numel() for p in model.parameters())
-    engine = FSDP2Engine(model, spec, ctx, "fp32", ParallelDims.build(1, -1, 1, ctx.world_size))
+    dims = ParallelDims.build(1, -1, 1, ctx.world_size)
+    engine = FSDP2Engine(model, spec, ctx, "fp32", dims, dims.build_mesh("cpu"))
     engine.backward(lm_loss_sum(engine.module(input_ids=ids).logits, ids) / ids.numel())
-    engine.clip_grad_norm()
-    with_grads = engine.model_state_bytes()
+    engine.clip_or_fused_step()
+    assert engine.model_state_bytes() is None  # measured once the optimizer state exists
     engine.step()
-    report["bytes"] = {**with_grads, "optimizer": engine.model_state_bytes()["optimizer"]}
+    report["bytes"] = engine.model_state_bytes()  # grads as they were before step() cleared them
     report["model_state_bytes"] = sum(report["bytes"].values())
 
     # 2. the dp=2 checkpoint into a tp=2 engine, exported; the export's logits vs the sharded model's
-    engine = FSDP2Engine(load(), spec, ctx, "fp32", ParallelDims.build(1, -1, 2, ctx.world_size))
+    dims = ParallelDims.build(1, -1, 2, ctx.world_size)
+    engine = FSDP2Engine(load(), spec, ctx, "fp32", dims, dims.build_mesh("cpu"))
     engine.load_checkpoint(step_dir / "engine")
     engine.export_hf(out_dir / "hf")
     with torch.no_grad():

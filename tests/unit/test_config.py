@@ -32,8 +32,11 @@ def group_options():
 
 @pytest.mark.parametrize("group,option", group_options())
 def test_every_group_option_composes(group, option):
-    extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"]},
-             "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"]}}
+    pairs = ["data.packing=false"]
+    extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"],
+                       "reward": ["data=reverse_prefs", *pairs], "dpo": ["data=reverse_prefs_easy", *pairs]},
+             "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"], "reverse_prefs": ["stage=reward", *pairs],
+                      "reverse_prefs_easy": ["stage=dpo", *pairs], "hh_rlhf": ["stage=reward", *pairs]}}
     overrides = [o for o in extra.get(group, {}).get(option, []) if not o.startswith("override")]
     world_size = {("backend", "fsdp2_tp"): 2}.get((group, option), 1)  # tp=2 needs two ranks
     cfg = compose_ok("recipe=pretrain_tiny", f"{group}={option}", *overrides, world_size=world_size)

@@ -1,0 +1,53 @@
+"""Scalar heads: one score per token from a sequence-classification model, pooled where the stage says.
+
+transformers' `*ForSequenceClassification` pools at the rightmost token that is not the pad id; with
+pad == eos (the usual setup for tokenizers without a pad token) that is the token BEFORE the EOS. So
+llmtrain reads the per-token scores of the `score` layer during the model's own forward (a forward hook:
+it works under every wrapper, DDP, DeepSpeed, FSDP2, because the wrapper's forward still runs) and pools
+them itself, at each row's last real token, found from the lengths / attention mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+SCORE_LAYERS = ("score", "v_head", "classifier")
+
+
+def score_layer(model: torch.nn.Module) -> torch.nn.Module:
+    for name in SCORE_LAYERS:
+        layer = getattr(model, name, None)
+        if isinstance(layer, torch.nn.Module):
+            return layer
+    raise ValueError(f"{type(model).__name__} has no scalar head ({' / '.join(SCORE_LAYERS)})")
+
+
+@contextlib.contextmanager
+def captured_token_scores(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within the block, every forward of `model` appends its per-token scores (B, T) to the yielded list."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module, inputs, output) -> None:
+        captured.append(output[..., 0])  # (B, T, 1) -> (B, T)
+
+    handle = score_layer(model).register_forward_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def pooled_scores(token_scores: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """(B, T) per-token scores, (B,) index of each row's last real token -> (B,) scores, in fp32."""
+    rows = torch.arange(token_scores.shape[0], device=token_scores.device)
+    return token_scores[rows, last_index.to(token_scores.device)].float()
+
+
+def sequence_scores(forward, model: torch.nn.Module, last_index: torch.Tensor, **inputs) -> torch.Tensor:
+    """Run `forward(**inputs)` (the engine's module) and return the scores at `last_index` (B,)."""
+    with captured_token_scores(model) as captured:
+        forward(**inputs)
+    return pooled_scores(captured[-1], last_index)

@@ -1,0 +1,139 @@
+"""The Stage seam: what a stage names (roles, batch, step, eval, state), and the one update helper.
+
+A Stage owns its maths; the trainer owns the loop (fetching, timing, logging, evaluating, saving) and
+knows no loss. A stage never imports a backend: it sees Engines (`backends/base.py`).
+
+- `roles`: name -> RoleSpec (where the weights come from, which head, trainable or frozen). The run
+  builds one Engine per role with the run's backend: trainable roles get an optimizer, frozen ones are
+  `wrap(model, None)`. All roles share one ParallelDims, so they read the same examples on a rank.
+- `collate(examples) -> batch`: the stage's batch type; it has `.to(device)` and `.for_attention(...)`.
+- `train_step(micro_batches, engines, updater) -> metrics`: one optimizer step of every trainable role,
+  each through `Updater.update` (forward/backward/no-sync over the micro-batches, the global
+  normalisation, clipping, the non-finite rule).
+- `evaluate(batches, engines) -> metrics` (keys start with `eval_`), over every held-out example once.
+- `state_dict()` / `load_state_dict()`: what the stage itself carries from step to step (a KL
+  controller, the last eval's reward statistics); saved as `stage.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, Sequence
+
+import torch
+
+from llmtrain.parallel import all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a role's weights come from (plain values from `model.*`, or a stage's own field)."""
+    name_or_path: str | None
+    from_config: dict | None = None
+    config_path: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    source: ModelSource
+    head: str = "lm"  # "lm": next-token logits; "scalar": one score per token (models/load.py HEADS)
+    trainable: bool = True
+
+
+class Stage(Protocol):
+    name: str
+    roles: dict[str, RoleSpec]
+    count_name: str  # what the update normalises by: "tokens" (target tokens) or "pairs"
+
+    def collate(self, examples: list[dict]): ...
+    def train_step(self, micro_batches: list, engines: dict, updater: "Updater") -> dict: ...
+    def evaluate(self, batches: Iterable, engines: dict) -> dict: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+# A micro-batch's summed loss (0-d, with grad) and the sums of its statistics ((K,), detached).
+MicroLoss = Callable[[torch.nn.Module, object], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global mean: Σ loss over every micro-batch of every rank / the global count
+    grad_norm: float  # before clipping
+    lr: float  # the lr this step used
+    count: int  # the global count the loss is normalised by (target tokens, pairs, ...)
+    sums: list[float]  # the statistics' sums over the global batch, in the order the MicroLoss gives them
+    applied: bool  # False: a non-finite step was skipped
+
+
+class Updater:
+    """One optimizer step of one engine over its micro-batches, the same for every stage and role.
+
+    The loss of a step is Σ(per-example loss) over every micro-batch on every rank divided by the global
+    count (target tokens for LM, pairs for RM/DPO, action tokens for PPO), counted on the host before the
+    first forward: not a mean of per-micro-batch means. A non-finite loss or grad norm stops every rank
+    together (NonFiniteError) or, with `skip_nonfinite`, skips the update; both values are reduced over
+    all ranks, so every rank takes the same branch.
+    """
+
+    def __init__(self, device: torch.device, skip_nonfinite: bool, skipped_steps: int = 0):
+        self.device, self.skip_nonfinite, self.skipped_steps = device, skip_nonfinite, skipped_steps
+
+    def update(self, engine, micro_batches: Sequence, micro_loss: MicroLoss, local_count: float,
+               num_stats: int = 0, step: int = 0) -> StepResult:
+        engine.module.train()
+        global_count = int(all_reduce_sum(torch.tensor([float(local_count)], dtype=torch.float64,
+                                                       device=self.device), engine.dp_group).item())
+        inverse = 1.0 / max(global_count, 1)  # nothing to learn from: loss 0, gradient 0, never NaN
+        totals = torch.zeros(1 + num_stats, device=self.device)  # loss sum, then the statistics' sums
+        for i, batch in enumerate(micro_batches):
+            with engine.no_sync(is_last_micro_batch=i == len(micro_batches) - 1):
+                with engine.autocast():
+                    loss_sum, stats = micro_loss(engine.module, batch)
+                engine.backward(loss_sum * inverse)
+            totals += torch.cat([loss_sum.detach().float().reshape(1), stats.detach().float().reshape(-1)])
+        totals = all_reduce_sum(totals, engine.dp_group)
+        lr = engine.current_lr()  # this step's lr: read before clip_or_fused_step (DeepSpeed updates there)
+        values = to_host(*totals, engine.clip_or_fused_step())  # one device sync for all of them
+        loss, sums, grad_norm = values[0] * inverse, values[1:-1], values[-1]
+        applied = math.isfinite(loss) and (math.isfinite(grad_norm) or engine.skips_nonfinite_grads)
+        if applied:
+            engine.step()
+        else:
+            self._nonfinite(engine, step, loss, grad_norm)
+        return StepResult(loss, grad_norm, lr, global_count, sums, applied)
+
+    def _nonfinite(self, engine, step: int, loss: float, grad_norm: float) -> None:
+        if not self.skip_nonfinite:
+            raise NonFiniteError(
+                f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; all ranks stop here. "
+                "Lower optim.lr, check the data, or set trainer.skip_nonfinite=true to skip such steps")
+        self.skipped_steps += 1
+        log.warning("step %d: loss=%s grad_norm=%s not finite, step skipped (%d so far)",
+                    step, loss, grad_norm, self.skipped_steps)
+        engine.skip_step()
+
+
+def to_host(*scalars: torch.Tensor) -> list[float]:
+    """0-d tensors as floats, with one device sync for all of them (fp32 -> fp64 is exact)."""
+    device = scalars[0].device
+    return torch.stack([scalar.detach().to(device, torch.float64) for scalar in scalars]).tolist()
+
+
+def reduce_sums(values: list[torch.Tensor], engine) -> list[float]:
+    """Per-rank sums (0-d tensors) summed over the data-parallel ranks, in fp64, fetched with one sync."""
+    stacked = torch.stack([v.detach().double() for v in values])
+    return all_reduce_sum(stacked, engine.dp_group).tolist()
+
+
+def trainable_roles(roles: dict[str, RoleSpec]) -> list[str]:
+    return [name for name, spec in roles.items() if spec.trainable]

@@ -1,0 +1,86 @@
+"""DPO: a trainable policy against a frozen reference, on pairs of responses to the same prompt.
+
+Roles: "policy" (trainable) and "reference" (frozen, built from the same source: the initial policy).
+The reference's log-probs are computed in the same step from its frozen engine (same precision, no
+dropout), not precomputed. Loss of a step: Σ_pairs ℓ(β·((π_c − ref_c) − (π_r − ref_r))) / pairs in the
+global batch, ℓ from `dpo.loss` (sigmoid, with optional label smoothing = cDPO; ipo on length-averaged
+log-probs, as TRL). At step 0 the policy equals the reference: the loss is ln 2, the rewards are 0.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from llmtrain.losses.dpo import (AVERAGED_LOGPS, DPO_STATS, dpo_loss_terms, dpo_metrics, dpo_stat_sums,
+                                 sequence_logps)
+from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
+from llmtrain.stages.preference import PairBatch, collate_pairs
+
+
+class DPOStage:
+    name = "dpo"
+    count_name = "pairs"
+
+    def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float):
+        self.roles = {"policy": RoleSpec(source, head="lm", trainable=True),
+                      "reference": RoleSpec(source, head="lm", trainable=False)}
+        self.collate = partial(collate_pairs, pad_token_id=pad_token_id)
+        self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
+        self.average = loss in AVERAGED_LOGPS
+
+    def logps(self, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen (P,), rejected (P,)) response log-probs (summed, or averaged for ipo), fp32."""
+        logits = forward(**batch.rows.model_inputs()).logits  # (2P, T, V)
+        return batch.split(sequence_logps(logits, batch.rows.labels, average=self.average))
+
+    @torch.no_grad()
+    def reference_logps(self, reference, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        with reference.autocast():
+            return self.logps(reference.module, batch)
+
+    def terms(self, policy_logps, reference_logps):
+        return dpo_loss_terms(*policy_logps, *reference_logps, beta=self.beta, loss_type=self.loss,
+                              label_smoothing=self.label_smoothing)
+
+    def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
+        reference = engines["reference"]
+
+        def micro_loss(module, batch: PairBatch):
+            policy = self.logps(module, batch)
+            terms = self.terms(policy, self.reference_logps(reference, batch))
+            return terms.losses.sum(), dpo_stat_sums(terms, *policy)
+
+        pairs = sum(b.num_pairs for b in micro_batches)
+        result = updater.update(engines["policy"], micro_batches, micro_loss, pairs, num_stats=len(DPO_STATS))
+        metrics = dpo_metrics(dict(zip(DPO_STATS, result.sums)), max(result.count, 1))
+        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+
+    @torch.no_grad()
+    def evaluate(self, batches, engines: dict) -> dict:
+        policy, reference = engines["policy"], engines["reference"]
+        policy.module.eval()
+        sums = torch.zeros(4, dtype=torch.float64, device=policy.ctx.device)  # loss, correct, margin, pairs
+        for batch in batches:
+            with policy.autocast():
+                terms = self.terms(self.logps(policy.module, batch), self.reference_logps(reference, batch))
+            w = batch.weight.double()
+            margin = (terms.chosen_rewards - terms.rejected_rewards).double()
+            sums += torch.stack([(terms.losses.double() * w).sum(), ((margin > 0).double() * w).sum(),
+                                 (margin * w).sum(), w.sum()])
+        loss, correct, margin, pairs = reduce_sums(list(sums), policy)
+        pairs = max(pairs, 1)
+        return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs,
+                "eval_reward_margin": margin / pairs, "eval_pairs": int(pairs)}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def build(cfg, source: ModelSource, tokenizer) -> DPOStage:
+    d = cfg.dpo
+    return DPOStage(source, tokenizer.pad_token_id, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing)

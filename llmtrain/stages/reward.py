@@ -1,0 +1,101 @@
+"""Reward model: a scalar head on a causal-LM backbone, trained on pairs with the pairwise loss.
+
+One trainable role "reward" (`AutoModelForSequenceClassification`, one label). Each sequence is scored at
+its EOS (its last real token, from the lengths: never from the pad id), and the loss of a step is
+Σ_pairs [-logsigmoid(r_c − r_r − margin) + center_coef·(r_c + r_r)²] / pairs in the global batch.
+The last eval's reward mean and std over every held-out sequence go into the exported config
+(`reward_mean`, `reward_std`), for a later PPO run to normalise with.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise_metrics, pairwise_stat_sums
+from llmtrain.models.heads import sequence_scores
+from llmtrain.models.load import use_distinct_pad_token
+from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
+from llmtrain.stages.preference import PairBatch, collate_pairs
+
+ROLE = "reward"
+
+
+class RewardStage:
+    name = "reward"
+    count_name = "pairs"
+
+    def __init__(self, source: ModelSource, pad_token_id: int, center_coef: float = 0.0):
+        self.roles = {ROLE: RoleSpec(source, head="scalar", trainable=True)}
+        self.collate = partial(collate_pairs, pad_token_id=pad_token_id)
+        self.center_coef = center_coef
+        self.reward_stats: dict[str, float] = {}  # the last eval's reward mean / std
+
+    def scores(self, engine, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r_chosen (P,), r_rejected (P,)) in fp32, from one forward of the 2P rows."""
+        rewards = sequence_scores(forward, engine.model, batch.lengths - 1, **batch.rows.model_inputs())  # (2P,)
+        return batch.split(rewards)
+
+    def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
+        engine = engines[ROLE]
+
+        def micro_loss(module, batch: PairBatch):
+            chosen, rejected = self.scores(engine, module, batch)
+            loss = pairwise_loss_sum(chosen, rejected, batch.margin, self.center_coef)
+            return loss, pairwise_stat_sums(chosen, rejected)
+
+        pairs = sum(b.num_pairs for b in micro_batches)
+        result = updater.update(engine, micro_batches, micro_loss, pairs, num_stats=len(PAIRWISE_STATS))
+        metrics = pairwise_metrics(dict(zip(PAIRWISE_STATS, result.sums)), max(result.count, 1))
+        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+
+    @torch.no_grad()
+    def evaluate(self, batches, engines: dict) -> dict:
+        engine = engines[ROLE]
+        engine.module.eval()
+        names = ("loss", "pairs", "margin", "correct_easy", "easy", "correct_hard", "hard", "reward_sum",
+                 "reward_sq")
+        sums = torch.zeros(len(names), dtype=torch.float64, device=engine.ctx.device)
+        for batch in batches:
+            with engine.autocast():
+                chosen, rejected = self.scores(engine, engine.module, batch)
+            sums += eval_sums(chosen, rejected, batch)
+        totals = dict(zip(names, reduce_sums(list(sums), engine)))
+        pairs = max(totals["pairs"], 1)
+        mean = totals["reward_sum"] / (2 * pairs)
+        self.reward_stats = {"reward_mean": mean,
+                             "reward_std": math.sqrt(max(totals["reward_sq"] / (2 * pairs) - mean**2, 0.0))}
+        record = {"eval_loss": totals["loss"] / pairs, "eval_accuracy": totals["correct_easy"] / max(totals["easy"], 1),
+                  "eval_margin": totals["margin"] / pairs, "eval_pairs": int(totals["pairs"]),
+                  **{f"eval_{k}": v for k, v in self.reward_stats.items()}}
+        if totals["hard"]:
+            record["eval_accuracy_hard"] = totals["correct_hard"] / totals["hard"]
+        return record
+
+    def export_config(self, role: str) -> dict:
+        return dict(self.reward_stats)
+
+    def state_dict(self) -> dict:
+        return {"reward_stats": self.reward_stats}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reward_stats = dict(state.get("reward_stats", {}))
+
+
+def eval_sums(chosen: torch.Tensor, rejected: torch.Tensor, batch: PairBatch) -> torch.Tensor:
+    """Sums over the real pairs (filler weight 0): loss, pairs, margin, correct/count of easy (not tagged
+    hard) and hard pairs, Σr and Σr² over both sides."""
+    w, hard = batch.weight.double(), batch.hard
+    losses = torch.nn.functional.softplus(-(chosen - rejected - batch.margin)).double()  # -logsigmoid(x)
+    correct = (chosen > rejected).double() * w
+    both = torch.cat([chosen, rejected]).double()
+    return torch.stack([(losses * w).sum(), w.sum(), ((chosen - rejected).double() * w).sum(),
+                        (correct * ~hard).sum(), (w * ~hard).sum(), (correct * hard).sum(), (w * hard).sum(),
+                        (both * w.repeat(2)).sum(), (both**2 * w.repeat(2)).sum()])
+
+
+def build(cfg, source: ModelSource, tokenizer) -> RewardStage:
+    use_distinct_pad_token(tokenizer)  # so the exported model pools at the EOS in transformers too
+    return RewardStage(source, tokenizer.pad_token_id, cfg.reward.center_coef)
