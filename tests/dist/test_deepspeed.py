@@ -81,7 +81,7 @@ def test_bitwise_resume(runs, name):
     assert [r["step"] for r in continued] == list(range(7, 13))
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[6:]]
     assert [r["grad_norm"] for r in continued] == [r["grad_norm"] for r in reference[6:]]
-    engine = straight / "checkpoints" / "step_6" / "engine"
+    engine = straight / "checkpoints" / "step_6" / "engines" / "policy"
     assert (engine / "ds").is_dir() and (straight / "checkpoints" / "step_6" / "COMPLETE").is_file()
 
 
@@ -107,7 +107,7 @@ def test_export_from_zero3_shards_round_trips(runs):
     run_dir = runs("zero3")
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     engine = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
-    shards = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_12" / "engine"), tag="ds")
+    shards = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_12" / "engines" / "policy"), tag="ds")
     engine.load_state_dict(shards, strict=False)
     assert set(shards) == {n for n, _ in engine.named_parameters()}
     ids = torch.randint(0, exported.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -143,7 +143,7 @@ def test_resharded_load_export_and_bytes(runs, tmp_path):
     assert sum(r["model_state_bytes"] for r in reports) == 16 * reports[0]["parameters"]  # nothing duplicated
     assert reports[0]["export_logits_max_abs_diff"] <= 1e-6
     # the tp=2 engine loaded exactly the weights the dp=2 run saved (its export is those weights)
-    dcp_to_torch_save(step_dir / "engine" / "dcp", tmp_path / "saved.pt")
+    dcp_to_torch_save(step_dir / "engines" / "policy" / "dcp", tmp_path / "saved.pt")
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)["model"]
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert exported.keys() == saved.keys()
@@ -266,7 +266,7 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
     # 2. the dp=2 checkpoint into a tp=2 engine, exported; the export's logits vs the sharded model's
     dims = ParallelDims.build(1, -1, 2, ctx.world_size)
     engine = FSDP2Engine(load(), spec, ctx, "fp32", dims, dims.build_mesh("cpu"))
-    engine.load_checkpoint(step_dir / "engine")
+    engine.load_checkpoint(step_dir / "engines" / "policy")
     engine.export_hf(out_dir / "hf")
     with torch.no_grad():
         sharded_logits = engine.module(input_ids=ids).logits  # (B, T, V), full on every tp rank

@@ -76,7 +76,7 @@ def test_hf_export_reloads_with_identical_logits(wandb_run):
 
     exported = AutoModelForCausalLM.from_pretrained(wandb_run / "hf").eval()
     trained = AutoModelForCausalLM.from_pretrained(wandb_run / "hf").eval()
-    state = torch.load(wandb_run / "checkpoints" / "step_4" / "engine" / "model.pt", weights_only=True)
+    state = torch.load(wandb_run / "checkpoints" / "step_4" / "engines" / "policy" / "model.pt", weights_only=True)
     trained.load_state_dict(state)  # the trained engine's weights, as checkpointed at the last step
     tokenizer = AutoTokenizer.from_pretrained(wandb_run / "hf")
     ids = torch.tensor([tokenizer("reverse: hello\n").input_ids])
@@ -94,7 +94,7 @@ def test_fp16_with_loss_scaler_tracks_fp32(wandb_run, tmp_path):
     fp16, fp32 = read_metrics(tmp_path)[0], read_metrics(wandb_run)[0][:2]
     for a, b in zip(fp16, fp32):
         assert a["loss"] != b["loss"] and abs(a["loss"] - b["loss"]) < 1e-2 * b["loss"]
-    scaler = torch.load(tmp_path / "checkpoints" / "step_2" / "engine" / "scaler.pt", weights_only=True)
+    scaler = torch.load(tmp_path / "checkpoints" / "step_2" / "engines" / "policy" / "scaler.pt", weights_only=True)
     assert scaler["scale"] > 1.0
 
 
