@@ -19,7 +19,8 @@
 It works with llmtrain both before and after the batch API change that followed eff726e (collate no
 longer builds the packed mask, `Batch.for_attention` does; `num_target_tokens()` became `num_targets`):
 it only calls `collate`, `run.batch_preparer` (the same signature in both, the mask or attention inputs
-made there) and `models.load.resolve_attn_implementation`, and wraps `Trainer.train_step` either way.
+made there) and `models.load.resolve_attn_implementation`, and wraps `Updater.update` (or, before the stage
+seam, `Trainer.train_step`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def install_clock() -> None:
     original = sinks.JsonlSink.log
 
     def log(self, record):
-        if "tokens" in record:
+        if "step_time_s" in record:  # a training step (tokens or pairs), not an eval
             record = dict(record, wall_time=time.perf_counter(), cpu_time=time.process_time())
         return original(self, record)
 
@@ -52,32 +53,40 @@ def install_clock() -> None:
 
 def install_comm_probe(step: int, found: dict) -> None:
     """Count this rank's collectives during optimizer step `step` (1-based) and its tensor bytes."""
-    from llmtrain.trainer import Trainer
+    try:  # the stage seam: every optimizer step goes through Updater.update
+        from llmtrain.stages.base import Updater as Owner
+        name, clip_name = "update", "clip_or_fused_step"
+        current = lambda self, args: self.step  # noqa: E731
+        engine_of = lambda self, args: args[0]  # noqa: E731
+    except ImportError:  # before it: Trainer.train_step(micro_batches[, start]) over self.engine
+        from llmtrain.trainer import Trainer as Owner
+        name, clip_name = "train_step", "clip_grad_norm"
+        current = lambda self, args: self.step + 1  # noqa: E731
+        engine_of = lambda self, args: self.engine  # noqa: E731
+    original = getattr(Owner, name)
 
-    original = Trainer.train_step
-
-    def train_step(self, micro_batches, *args, **kwargs):  # (micro_batches[, start]): either trainer version
-        if self.step + 1 != step:
-            return original(self, micro_batches, *args, **kwargs)
-        engine = self.engine
-        clip = engine.clip_grad_norm
+    def probed(self, *args, **kwargs):
+        if current(self, args) != step:
+            return original(self, *args, **kwargs)
+        engine = engine_of(self, args)
+        clip = getattr(engine, clip_name)
 
         def clip_and_measure():  # gradients exist, the update has not run: weights + grads + optimizer
             found["live_tensor_bytes_before_update"] = C.live_tensor_bytes()
             return clip()
 
-        engine.clip_grad_norm = clip_and_measure
+        setattr(engine, clip_name, clip_and_measure)
         counter = C.comm_counter()
         try:
             with counter:
-                record = original(self, micro_batches, *args, **kwargs)
+                result = original(self, *args, **kwargs)
         finally:
-            del engine.clip_grad_norm
+            delattr(engine, clip_name)
         found["comm_calls"], found["comm_bytes"] = dict(counter.calls), dict(counter.bytes)
         found["live_tensor_bytes_after_update"] = C.live_tensor_bytes()
-        return record
+        return result
 
-    Trainer.train_step = train_step
+    setattr(Owner, name, probed)
 
 
 def output_dir(overrides: list[str]) -> Path:

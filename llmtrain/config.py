@@ -220,6 +220,9 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
         problems.append(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
     if not 0 <= o.min_lr_ratio <= 1:
         problems.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if m.attn_implementation.startswith("flash_attention") and cfg.precision == "fp32":
+        problems.append(f"model.attn_implementation={m.attn_implementation} runs in bf16/fp16 only, but precision=fp32: "
+                        "use precision=bf16 (or auto on a GPU), or model.attn_implementation=auto")
     if not 0 <= m.dropout < 1:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= d.eval_fraction < 1:

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.config import ConfigError, data_parallel_size, validate
+from llmtrain.config import PAIR_STAGES, ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import planned_model_state_bytes
@@ -23,7 +23,7 @@ from llmtrain.models.load import count_parameters, load_tokenizer, model_config,
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
-from llmtrain.stages import build_stage
+from llmtrain.stages import build_stage, stage_roles
 from llmtrain.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("llmtrain")
@@ -47,8 +47,9 @@ def batch_arithmetic(cfg: DictConfig, world: int) -> str:
     t = cfg.trainer
     dp = data_parallel_size(cfg.backend, world)
     rows = t.micro_batch_size * t.grad_accum_steps * dp
-    return (f"global batch {rows} rows = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
-            f"{t.grad_accum_steps} × dp {dp} (≤ {rows * cfg.data.max_seq_len} tokens at max_seq_len "
+    unit = "pairs" if cfg.stage.name in PAIR_STAGES else "rows"  # a pair is two sequences in one forward
+    return (f"global batch {rows} {unit} = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
+            f"{t.grad_accum_steps} × dp {dp} (≤ {rows * cfg.data.max_seq_len * (2 if unit == 'pairs' else 1)} tokens at max_seq_len "
             f"{cfg.data.max_seq_len})")
 
 
@@ -79,10 +80,20 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
              f"vocab={arch.vocab_size})",
              f"training FLOPs ≈ 6·M + 12·L·h·s = {human(flops_per_token, 'FLOP')} per token at s={seq_len}",
              f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}) ≈ "
-             f"{human(state_bytes, 'B', 1024)} per rank (activations not included)",
+             f"{human(state_bytes, 'B', 1024)} per rank per trainable role (activations not included)",
+             roles_line(cfg.stage.name, params, stage=stage, dp=dp, precision=precision),
              batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}"]
     return "\n".join(lines)
+
+
+def roles_line(stage_name: str, params: int, *, stage: int, dp: int, precision: str) -> str:
+    """The stage's roles; a frozen one holds its weights only, in the compute dtype, sharded under ZeRO-3/FSDP2."""
+    roles = stage_roles(stage_name)
+    weight_bytes = params * (2 if precision in ("bf16", "fp16") else 4) / (dp if stage == 3 else 1)
+    described = [f"{role} (trainable)" if trainable else f"{role} (frozen: weights only ≈ "
+                 f"{human(weight_bytes, 'B', 1024)} per rank)" for role, trainable in roles.items()]
+    return f"roles: {', '.join(described)}"
 
 
 def check_backend_against_model(cfg: DictConfig, world: int) -> None:

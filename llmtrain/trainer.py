@@ -71,6 +71,7 @@ class Trainer:
         while self.step < self.s.max_steps:
             start = time.perf_counter()  # the step's clock includes fetching and collating its batches
             micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
+            self.updater.step = self.step + 1
             record = {"step": self.step + 1, **self.stage.train_step(micro_batches, self.engines, self.updater)}
             self.step += 1
             step_time = time.perf_counter() - start

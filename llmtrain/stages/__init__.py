@@ -18,6 +18,15 @@ def model_source(model_cfg) -> ModelSource:
     return ModelSource(model_cfg.name_or_path, from_config, model_cfg.config_path, model_cfg.trust_remote_code)
 
 
+# name -> {role: trainable}: what the planner reports before any stage is built (each stage's `roles` agrees)
+ROLES = {"pretrain": {"policy": True}, "sft": {"policy": True}, "reward": {"reward": True},
+         "dpo": {"policy": True, "reference": False}}
+
+
+def stage_roles(name: str) -> dict[str, bool]:
+    return ROLES[name]
+
+
 def build_stage(cfg, tokenizer):
     module_name, builder = STAGES[cfg.stage.name]
     return getattr(importlib.import_module(module_name), builder)(cfg, model_source(cfg.model), tokenizer)

@@ -87,9 +87,10 @@ class Updater:
 
     def __init__(self, device: torch.device, skip_nonfinite: bool, skipped_steps: int = 0):
         self.device, self.skip_nonfinite, self.skipped_steps = device, skip_nonfinite, skipped_steps
+        self.step = 0  # the optimizer step being taken (1-based), set by the trainer: named in errors
 
     def update(self, engine, micro_batches: Sequence, micro_loss: MicroLoss, local_count: float,
-               num_stats: int = 0, step: int = 0) -> StepResult:
+               num_stats: int = 0) -> StepResult:
         engine.module.train()
         global_count = int(all_reduce_sum(torch.tensor([float(local_count)], dtype=torch.float64,
                                                        device=self.device), engine.dp_group).item())
@@ -109,10 +110,11 @@ class Updater:
         if applied:
             engine.step()
         else:
-            self._nonfinite(engine, step, loss, grad_norm)
+            self._nonfinite(engine, loss, grad_norm)
         return StepResult(loss, grad_norm, lr, global_count, sums, applied)
 
-    def _nonfinite(self, engine, step: int, loss: float, grad_norm: float) -> None:
+    def _nonfinite(self, engine, loss: float, grad_norm: float) -> None:
+        step = self.step
         if not self.skip_nonfinite:
             raise NonFiniteError(
                 f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; all ranks stop here. "

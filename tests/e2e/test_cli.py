@@ -202,3 +202,37 @@ def test_launch_torchrun_script_starts_two_ranks(tmp_path):
     assert_ok(result)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["run_metadata"]["world_size"] == 2
     assert [r["step"] for r in read_metrics(tmp_path)[0]] == [1, 2]
+
+
+def test_checkpoint_of_the_single_engine_layout_still_resumes(wandb_run, tmp_path):
+    """A step folder as written before roles existed (engine/, trainer_state.json) resumes as the role policy."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(wandb_run, run_dir)
+    step_2 = run_dir / "checkpoints" / "step_2"
+    (step_2 / "engines" / "policy").rename(step_2 / "engine")
+    (step_2 / "engines").rmdir()
+    state = json.loads((step_2 / "trainer.json").read_text())
+    (step_2 / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "parent"}))
+    (step_2 / "trainer.json").unlink()
+    (step_2 / "stage.json").unlink()
+    assert_ok(run_cli([*TINY, "trainer.max_steps=4", f"output_dir={tmp_path / 'continued'}", f"resume={step_2}"]))
+    continued, original = read_metrics(tmp_path / "continued")[0], read_metrics(wandb_run)[0]
+    assert [r["loss"] for r in continued] == [r["loss"] for r in original[2:]]
+
+
+def test_resume_from_an_older_step_prunes_the_abandoned_continuation(tmp_path):
+    """6 steps saved at 2, 4, 6; resumed from step 2 into the same run dir up to step 4: the new step_4 replaces
+    the old one, step_6 (the abandoned continuation) goes, and `latest` and resume=auto follow the new run."""
+    run_dir = tmp_path / "run"
+    common = [*TINY, "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=2", "trainer.keep_last_k=3",
+              f"output_dir={run_dir}"]
+    assert_ok(run_cli([*common, "trainer.max_steps=6"]))
+    original = read_metrics(run_dir)[0]
+    assert_ok(run_cli([*common, "trainer.max_steps=4", f"resume={run_dir}/checkpoints/step_2"]))
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_2", "step_4"]
+    assert json.loads((checkpoints / "step_4" / "trainer.json").read_text())["parent"] == "step_2"
+    assert (checkpoints / "latest").read_text().strip() == "step_4"
+    assert [r["loss"] for r in read_metrics(run_dir)[0]] == [r["loss"] for r in original[:4]]
+    assert_ok(run_cli([*common, "trainer.max_steps=5", "resume=auto"]))
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5]

@@ -45,3 +45,22 @@ def test_vocab_defaults_to_the_tokenizer_and_switches_reach_the_model():
     assert model.config.vocab_size == 263 and model.config.attention_dropout == 0.25
     assert model.is_activation_checkpointing and model.config.use_cache is False
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_auto_attention_picks_flash_only_for_16_bit_compute(monkeypatch):
+    """flash-attention kernels reject fp32: with flash-attn installed, precision=fp32 on a GPU gets sdpa."""
+    import importlib.util
+
+    import torch
+
+    from llmtrain.models.attention import SEGMENT_ATTENTION
+    from llmtrain.models.load import resolve_attn_implementation
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    cuda = torch.device("cuda", 0)
+    assert resolve_attn_implementation("auto", cuda, "bf16") == "flash_attention_2"
+    assert resolve_attn_implementation("auto", cuda, "fp32") == SEGMENT_ATTENTION
+    assert resolve_attn_implementation("auto", torch.device("cpu"), "bf16") == SEGMENT_ATTENTION
+    assert resolve_attn_implementation("eager", cuda, "fp32") == "eager"

@@ -1,0 +1,92 @@
+"""`recipe=rm_tiny` and `recipe=dpo_tiny` as a user runs them (their base, `${base:sft_tiny}`, is built once into
+the test cache): the thresholds the README states, the reward model's export, DPO's policy after training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def rm_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm_tiny")
+    assert_ok(run_cli(["recipe=rm_tiny", f"output_dir={out}"], timeout=1200))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo_tiny")
+    assert_ok(run_cli(["recipe=dpo_tiny", f"output_dir={out}"], timeout=1200))
+    return out
+
+
+def test_rm_tiny_separates_easy_negatives(rm_run):
+    train, evals = read_metrics(rm_run)
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == train[-1]["step"]
+    assert evals[-1]["eval_accuracy"] >= 0.95, evals[-1]
+    assert 0 <= evals[-1]["eval_accuracy_hard"] <= 1  # reported, no threshold
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert all(r["pairs"] == 32 for r in train)
+
+
+def test_exported_reward_model_scores_like_the_stage_in_transformers(rm_run):
+    """AutoModelForSequenceClassification on the export, right-padded batch with its own pad token: transformers'
+    pooled score equals the score at each EOS; the config carries the eval reward mean and std."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from llmtrain.models.heads import sequence_scores
+
+    tokenizer = AutoTokenizer.from_pretrained(rm_run / "hf")
+    model = AutoModelForSequenceClassification.from_pretrained(rm_run / "hf", dtype=torch.float32).eval()
+    config = json.loads((rm_run / "hf" / "config.json").read_text())
+    assert config["pad_token_id"] == tokenizer.pad_token_id != tokenizer.eos_token_id
+    last_eval = read_metrics(rm_run)[1][-1]
+    assert config["reward_mean"] == last_eval["eval_reward_mean"] and config["reward_std"] == last_eval["eval_reward_std"]
+    texts = ["reverse: abc\ncba", "reverse: hello\nolleh", "reverse: hello\nhello"]
+    rows = [[tokenizer.bos_token_id, *tokenizer(t, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+            for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])  # (3, T)
+    mask = (ids != tokenizer.pad_token_id).long()
+    lengths = torch.tensor([len(r) for r in rows])
+    with torch.no_grad():
+        ours = sequence_scores(model, model, lengths - 1, input_ids=ids, attention_mask=mask)
+        theirs = model(input_ids=ids, attention_mask=mask).logits[:, 0]
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    assert ours[1] > ours[2]  # the reversal beats the copy
+
+
+def greedy_exact_match(model_dir, rows) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hits = 0
+    for row in rows:
+        ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(row["prompt"], add_special_tokens=False).input_ids]])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.eos_token_id)
+        hits += tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == row["response"]
+    return hits / len(rows)
+
+
+def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
+    train, evals = read_metrics(dpo_run)
+    assert evals[0]["step"] == 0 and abs(evals[0]["eval_loss"] - math.log(2)) < 1e-6
+    assert evals[0]["eval_reward_accuracy"] == 0  # policy == reference: every implied reward is 0
+    assert evals[-1]["eval_reward_accuracy"] >= 0.8, evals[-1]
+    rows = [json.loads(line) for line in (REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines()[:64]]
+    base = yaml.safe_load((dpo_run / "config.yaml").read_text())["model"]["name_or_path"]  # the sft_tiny export
+    before, after = greedy_exact_match(base, rows), greedy_exact_match(dpo_run / "hf", rows)
+    print(f"greedy exact match on 64 held-out reversals: {before:.3f} (sft_tiny) -> {after:.3f} (dpo_tiny)")
+    assert after >= before - 0.1, (before, after)
