@@ -149,6 +149,10 @@ def read_trainer_state(step_dir: Path) -> dict:
     return json.loads((path if path.is_file() else step_dir / LEGACY_STATE).read_text())
 
 
+def _step_number(step_dir: Path) -> int:
+    return int(STEP_DIR.match(step_dir.name)[1])
+
+
 def lineage(newest: Path) -> list[Path]:
     """`newest` and the step folders it continued from (same run dir), newest first."""
     chain, seen = [], set()
@@ -156,8 +160,12 @@ def lineage(newest: Path) -> list[Path]:
     while step_dir is not None and is_complete(step_dir) and step_dir.name not in seen:
         chain.append(step_dir)
         seen.add(step_dir.name)
-        parent = read_trainer_state(step_dir).get("parent")
-        step_dir = newest.parent / parent if parent else None
+        state = read_trainer_state(step_dir)
+        if "parent" in state:
+            step_dir = newest.parent / state["parent"] if state["parent"] else None
+        else:  # written before lineage was recorded: the run's previous step folder by number
+            older = [p for p in complete_steps(newest.parent) if _step_number(p) < _step_number(step_dir)]
+            step_dir = older[-1] if older else None
     return chain
 
 
