@@ -151,7 +151,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     if ctx.is_main:
         log.info("plan:\n%s", plan)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
-    stage = build_stage(cfg, tokenizer)  # may give the tokenizer what its roles need (a pad token != eos)
+    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision)
+    stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
     data = build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
                       eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
                       max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing, tokenizer=tokenizer,
@@ -161,7 +162,6 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision)
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed, optimizer_spec(cfg))
     config_yaml = _config_yaml(cfg, ctx, precision)

@@ -30,22 +30,51 @@ from llmtrain.losses.lm import IGNORE_INDEX
 DPO_STATS = ("reward_correct", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected")
 
 
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target) at each position, is-a-target mask), both (B, T), fp32; position t predicts label t+1.
+
+    logits: (B, T, V); labels: (B, T), aligned with input_ids, IGNORE_INDEX where no log-prob counts.
+    """
+    # Pad the shifted labels back to T rather than slicing logits[:, :-1]: the slice would copy the
+    # whole (B, T-1, V) tensor before the fp32 cast copies it again.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+    logps = -F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view_as(targets)  # (B, T), 0 where ignored
+    return logps, targets != IGNORE_INDEX
+
+
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
     """(B,) fp32 sum (or per-token mean) of log p(target) over each row's target tokens.
 
     logits: (B, T, V); labels: (B, T), aligned with input_ids (position t predicts label t+1),
     IGNORE_INDEX where no log-prob counts (prompt, padding). A row without targets gives 0.
     """
-    # Pad the shifted labels back to T rather than slicing logits[:, :-1]: the slice would copy the
-    # whole (B, T-1, V) tensor before the fp32 cast copies it again.
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
-    token_logps = -F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view_as(targets)  # (B, T), 0 where ignored
-    totals = token_logps.sum(dim=-1)  # (B,)
+    logps, is_target = token_logps(logits, labels)
+    totals = logps.sum(dim=-1)  # (B,)
     if not average:
         return totals
-    return totals / (targets != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
+    return totals / is_target.sum(dim=-1).clamp(min=1)
+
+
+def packed_sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor,
+                          num_sequences: int, average: bool = False) -> torch.Tensor:
+    """(num_sequences,) like `sequence_logps`, for rows that hold several sequences back to back.
+
+    sequence_ids: (B, T) long, the sequence each position belongs to (-1: padding). A log-prob counts for
+    the sequence of the token it predicts; a sequence's first token is never a target (its label is masked
+    when packed), so nothing is predicted across a boundary.
+    """
+    logps, is_target = token_logps(logits, labels)  # (B, T)
+    owner = F.pad(sequence_ids[:, 1:], (0, 1), value=-1).flatten()  # (B·T,) the predicted token's sequence
+    kept = (owner >= 0) & is_target.flatten()
+    index = owner.clamp(min=0)
+    totals = torch.zeros(num_sequences, device=logits.device).index_add_(0, index[kept], logps.flatten()[kept])
+    if not average:
+        return totals
+    counts = torch.zeros(num_sequences, device=logits.device).index_add_(0, index[kept], torch.ones_like(index[kept],
+                                                                                                          dtype=torch.float32))
+    return totals / counts.clamp(min=1)
 
 
 def sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:

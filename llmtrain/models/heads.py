@@ -51,3 +51,11 @@ def sequence_scores(forward, model: torch.nn.Module, last_index: torch.Tensor, *
     with captured_token_scores(model) as captured:
         forward(**inputs)
     return pooled_scores(captured[-1], last_index)
+
+
+def scores_at(forward, model: torch.nn.Module, ends: torch.Tensor, **inputs) -> torch.Tensor:
+    """Run `forward(**inputs)` and return the scores at the flat positions `ends` (S,) of the (B·T) tokens:
+    several sequences may share a packed row."""
+    with captured_token_scores(model) as captured:
+        forward(**inputs)
+    return captured[-1].flatten()[ends.to(captured[-1].device)].float()

@@ -27,6 +27,8 @@ def stage_roles(name: str) -> dict[str, bool]:
     return ROLES[name]
 
 
-def build_stage(cfg, tokenizer):
+def build_stage(cfg, tokenizer, attn_implementation: str):
+    """`attn_implementation`: the resolved attention (pairs go padding-free where it isolates sequences)."""
     module_name, builder = STAGES[cfg.stage.name]
-    return getattr(importlib.import_module(module_name), builder)(cfg, model_source(cfg.model), tokenizer)
+    module = importlib.import_module(module_name)
+    return getattr(module, builder)(cfg, model_source(cfg.model), tokenizer, attn_implementation)

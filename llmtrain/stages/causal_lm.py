@@ -58,5 +58,5 @@ class CausalLMStage:
         pass
 
 
-def build(cfg, source: ModelSource, tokenizer) -> CausalLMStage:
+def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> CausalLMStage:
     return CausalLMStage(cfg.stage.name, source, tokenizer.pad_token_id)

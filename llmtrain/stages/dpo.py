@@ -14,26 +14,28 @@ from functools import partial
 import torch
 
 from llmtrain.losses.dpo import (AVERAGED_LOGPS, DPO_STATS, dpo_loss_terms, dpo_metrics, dpo_stat_sums,
-                                 sequence_logps)
+                                 packed_sequence_logps)
 from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
-from llmtrain.stages.preference import PairBatch, collate_pairs
+from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for
 
 
 class DPOStage:
     name = "dpo"
     count_name = "pairs"
 
-    def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float):
+    def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float,
+                 padding_free: bool = False):
         self.roles = {"policy": RoleSpec(source, head="lm", trainable=True),
                       "reference": RoleSpec(source, head="lm", trainable=False)}
-        self.collate = partial(collate_pairs, pad_token_id=pad_token_id)
+        self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.average = loss in AVERAGED_LOGPS
 
     def logps(self, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen (P,), rejected (P,)) response log-probs (summed, or averaged for ipo), fp32."""
-        logits = forward(**batch.rows.model_inputs()).logits  # (2P, T, V)
-        return batch.split(sequence_logps(logits, batch.rows.labels, average=self.average))
+        logits = forward(**batch.rows.model_inputs()).logits  # (R, T, V): 1 packed row or 2P padded rows
+        return batch.split(packed_sequence_logps(logits, batch.rows.labels, batch.sequence_ids, batch.num_sequences,
+                                                 average=self.average))
 
     @torch.no_grad()
     def reference_logps(self, reference, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +83,7 @@ class DPOStage:
         pass
 
 
-def build(cfg, source: ModelSource, tokenizer) -> DPOStage:
+def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOStage:
     d = cfg.dpo
-    return DPOStage(source, tokenizer.pad_token_id, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing)
+    return DPOStage(source, tokenizer.pad_token_id, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing,
+                    padding_free=padding_free_for(attn_implementation))

@@ -1,36 +1,55 @@
 """What the pairwise stages (reward model, DPO) share: the batch of pairs and how it is collated.
 
-A micro-batch of P pairs is ONE forward of 2P right-padded rows, chosen rows first (0..P-1), then the
-rejected ones (P..2P-1) in the same order: one pass over the weights instead of two, and chosen and
-rejected padded to the same width. `trainer.micro_batch_size` counts pairs (as in TRL).
+A micro-batch of P pairs is ONE forward over its 2P sequences, chosen ones first (0..P-1), then the
+rejected ones (P..2P-1) in the same order: one pass over the weights instead of two. Padding-free where the
+attention keeps sequences apart without a dense mask (`sdpa_segments`, flash-attention varlen): the 2P
+sequences go back to back in one packed row (positions restart per sequence), which on the benchmark's
+pairs does 2.7x less work than padding them to the longest (39 % of a padded batch is real tokens).
+With `sdpa`/`eager` (a dense mask over the packed row would grow with its square) they are right-padded
+rows. `trainer.micro_batch_size` counts pairs (as in TRL).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
 from llmtrain.data.collate import FILLER, Batch, collate
+from llmtrain.data.packing import merge_packed
+from llmtrain.losses.lm import IGNORE_INDEX
+from llmtrain.models.attention import SEGMENT_ATTENTION
 
 HARD = "hard"  # the `kind` of a pair whose eval accuracy is reported apart (eval_accuracy_hard)
 
 
+def padding_free_for(attn_implementation: str) -> bool:
+    """Pairs go padding-free under attentions that isolate packed sequences without a dense mask."""
+    return attn_implementation == SEGMENT_ATTENTION or attn_implementation.startswith("flash_attention")
+
+
 @dataclass
 class PairBatch:
-    rows: Batch  # (2P, T): chosen rows, then rejected rows
-    lengths: torch.Tensor  # (2P,) long: real tokens per row; the last one is the EOS
+    rows: Batch  # (R, T): one packed row of 2P sequences, or 2P right-padded rows (chosen, then rejected)
+    ends: torch.Tensor  # (2P,) long: flat index into the (R·T) positions of each sequence's last token (its EOS)
+    sequence_ids: torch.Tensor  # (R, T) long: the sequence (0..2P-1) at each position, -1 on padding
     margin: torch.Tensor  # (P,) float: per-pair margin (0 without a margin column)
     hard: torch.Tensor  # (P,) bool: pairs tagged kind == "hard"
     weight: torch.Tensor  # (P,) float: 1, or 0 for an eval filler pair that only keeps a rank in step
     num_pairs: int  # real pairs (weight 1), counted on the host
 
+    @property
+    def num_sequences(self) -> int:
+        return self.ends.shape[0]
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PairBatch":
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=non_blocking)
 
-        return replace(self, rows=self.rows.to(device, non_blocking), lengths=move(self.lengths),
-                       margin=move(self.margin), hard=move(self.hard), weight=move(self.weight))
+        return replace(self, rows=self.rows.to(device, non_blocking), ends=move(self.ends),
+                       sequence_ids=move(self.sequence_ids), margin=move(self.margin), hard=move(self.hard),
+                       weight=move(self.weight))
 
     def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> "PairBatch":
         return replace(self, rows=self.rows.for_attention(attn_implementation, mask_dtype))
@@ -41,13 +60,24 @@ class PairBatch:
         return values[:half], values[half:]
 
 
-def collate_pairs(examples: list[dict], pad_token_id: int) -> PairBatch:
+def collate_pairs(examples: list[dict], pad_token_id: int, padding_free: bool = False) -> PairBatch:
     """Preference examples (chosen_/rejected_ input_ids and labels, margin, kind) -> one PairBatch."""
-    sides = [{"input_ids": e[f"{side}_input_ids"], "labels": e[f"{side}_labels"], FILLER: e.get(FILLER, False)}
+    sides = [{"input_ids": e[f"{side}_input_ids"],
+              "labels": [IGNORE_INDEX] * len(e[f"{side}_labels"]) if e.get(FILLER) else e[f"{side}_labels"]}
              for side in ("chosen", "rejected") for e in examples]
-    rows = collate(sides, pad_token_id=pad_token_id)  # right padding: each row's EOS is its last real token
+    lengths = [len(s["input_ids"]) for s in sides]
+    if padding_free:
+        rows = collate([merge_packed(sides)], pad_token_id=pad_token_id)  # (1, N), positions restart per sequence
+        ends = torch.tensor(list(accumulate(lengths))) - 1
+        sequence_ids = torch.repeat_interleave(torch.arange(len(sides)), torch.tensor(lengths))[None]  # (1, N)
+    else:
+        rows = collate(sides, pad_token_id=pad_token_id)  # right padding: each row's EOS is its last real token
+        width = rows.width
+        ends = torch.arange(len(sides)) * width + torch.tensor(lengths) - 1
+        sequence_ids = torch.where(torch.arange(width)[None] < torch.tensor(lengths)[:, None],
+                                   torch.arange(len(sides))[:, None], -1)  # (2P, T)
     weight = torch.tensor([0.0 if e.get(FILLER) else 1.0 for e in examples])
-    return PairBatch(rows=rows, lengths=torch.tensor([len(s["input_ids"]) for s in sides]),
+    return PairBatch(rows=rows, ends=ends, sequence_ids=sequence_ids,
                      margin=torch.tensor([float(e.get("margin") or 0.0) for e in examples]),
                      hard=torch.tensor([e.get("kind") == HARD for e in examples]), weight=weight,
                      num_pairs=int(weight.sum().item()))

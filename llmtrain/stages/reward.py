@@ -15,10 +15,10 @@ from functools import partial
 import torch
 
 from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise_metrics, pairwise_stat_sums
-from llmtrain.models.heads import sequence_scores
+from llmtrain.models.heads import scores_at
 from llmtrain.models.load import use_distinct_pad_token
 from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
-from llmtrain.stages.preference import PairBatch, collate_pairs
+from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for
 
 ROLE = "reward"
 
@@ -27,15 +27,15 @@ class RewardStage:
     name = "reward"
     count_name = "pairs"
 
-    def __init__(self, source: ModelSource, pad_token_id: int, center_coef: float = 0.0):
+    def __init__(self, source: ModelSource, pad_token_id: int, center_coef: float = 0.0, padding_free: bool = False):
         self.roles = {ROLE: RoleSpec(source, head="scalar", trainable=True)}
-        self.collate = partial(collate_pairs, pad_token_id=pad_token_id)
+        self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
         self.center_coef = center_coef
         self.reward_stats: dict[str, float] = {}  # the last eval's reward mean / std
 
     def scores(self, engine, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(r_chosen (P,), r_rejected (P,)) in fp32, from one forward of the 2P rows."""
-        rewards = sequence_scores(forward, engine.model, batch.lengths - 1, **batch.rows.model_inputs())  # (2P,)
+        rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs())  # (2P,)
         return batch.split(rewards)
 
     def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
@@ -96,6 +96,7 @@ def eval_sums(chosen: torch.Tensor, rejected: torch.Tensor, batch: PairBatch) ->
                         (both * w.repeat(2)).sum(), (both**2 * w.repeat(2)).sum()])
 
 
-def build(cfg, source: ModelSource, tokenizer) -> RewardStage:
+def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> RewardStage:
     use_distinct_pad_token(tokenizer)  # so the exported model pools at the EOS in transformers too
-    return RewardStage(source, tokenizer.pad_token_id, cfg.reward.center_coef)
+    return RewardStage(source, tokenizer.pad_token_id, cfg.reward.center_coef,
+                       padding_free=padding_free_for(attn_implementation))

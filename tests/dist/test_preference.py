@@ -73,7 +73,10 @@ def test_parity_with_ddp(runs, stage, backend):
         assert_close_series(ours[0], reference[0], key, 1e-6, 1e-5)
     assert [e["step"] for e in ours[1]] == [0, 3, 6]
     assert_close_series(ours[1], reference[1], "eval_loss", 1e-6, 1e-5)
-    assert reference[0][-1]["loss"] < reference[0][0]["loss"]
+    if stage == "rm":
+        assert reference[0][-1]["loss"] < reference[0][0]["loss"]
+    else:  # the policy moved away from the reference (6 steps of a random tiny model do not lower DPO's loss)
+        assert all(r["reward_margin"] != 0 for r in reference[0][1:])
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -63,18 +63,46 @@ def test_pooled_scores_pick_one_value_per_row():
     assert pooled_scores(values, torch.tensor([0, 3, 1])).tolist() == [0.0, 7.0, 9.0]
 
 
+PAIRS = [{"chosen_input_ids": [1, 5, 6, EOS], "chosen_labels": [-100, 5, 6, EOS], "rejected_input_ids": [1, 5, EOS],
+          "rejected_labels": [-100, 5, EOS], "margin": 0.5, "kind": "hard"},
+         {"chosen_input_ids": [1, 7, EOS], "chosen_labels": [-100, 7, EOS], "rejected_input_ids": [1, 8, 9, 9, EOS],
+          "rejected_labels": [-100, 8, 9, 9, EOS], "margin": 0.0, "kind": "easy", "__filler__": True}]
+
+
 def test_pairs_collate_into_one_batch_chosen_rows_first():
-    examples = [{"chosen_input_ids": [1, 5, 6, EOS], "chosen_labels": [-100, 5, 6, EOS], "rejected_input_ids": [1, 5, EOS],
-                 "rejected_labels": [-100, 5, EOS], "margin": 0.5, "kind": "hard"},
-                {"chosen_input_ids": [1, 7, EOS], "chosen_labels": [-100, 7, EOS], "rejected_input_ids": [1, 8, 9, 9, EOS],
-                 "rejected_labels": [-100, 8, 9, 9, EOS], "margin": 0.0, "kind": "easy", "__filler__": True}]
-    batch = collate_pairs(examples, pad_token_id=0)
+    batch = collate_pairs(PAIRS, pad_token_id=0)
     assert batch.rows.input_ids.shape == (4, 5)
-    assert batch.lengths.tolist() == [4, 3, 3, 5]
-    assert batch.rows.input_ids[torch.arange(4), batch.lengths - 1].tolist() == [EOS] * 4
+    assert batch.rows.input_ids.flatten()[batch.ends].tolist() == [EOS] * 4
+    assert batch.ends.tolist() == [3, 7, 12, 19]
+    assert batch.sequence_ids.tolist()[1] == [1, 1, 1, -1, -1]
     assert batch.margin.tolist() == [0.5, 0.0] and batch.hard.tolist() == [True, False]
     assert batch.weight.tolist() == [1.0, 0.0] and batch.num_pairs == 1
     assert (batch.rows.labels[1] == -100).all() and (batch.rows.labels[3] == -100).all()  # the filler pair
+
+
+def test_padding_free_pairs_score_and_logp_like_padded_ones():
+    """The 2P sequences back to back in one row (sdpa_segments keeps them apart): the same rewards and the same
+    per-sequence log-probs as right-padded rows."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.losses.dpo import packed_sequence_logps
+    from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
+    from llmtrain.models.heads import scores_at
+
+    register_segment_attention()
+    classifier = tiny_classifier(attn=SEGMENT_ATTENTION)
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(classifier.config, attn_implementation=SEGMENT_ATTENTION).eval()
+    pairs = [dict(p, __filler__=False) for p in PAIRS]
+    padded, packed = (collate_pairs(pairs, 0, padding_free=free).for_attention(SEGMENT_ATTENTION) for free in (False, True))
+    assert packed.rows.input_ids.shape == (1, 15) and packed.rows.input_ids.flatten()[packed.ends].tolist() == [EOS] * 4
+    with torch.no_grad():
+        scores = [scores_at(classifier, classifier, b.ends, **b.rows.model_inputs()) for b in (padded, packed)]
+        logps = [packed_sequence_logps(lm(**b.rows.model_inputs()).logits, b.rows.labels, b.sequence_ids, 4)
+                 for b in (padded, packed)]
+    torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logps[1], logps[0], rtol=1e-5, atol=1e-6)
+    assert (logps[0] < 0).all()
 
 
 def test_distinct_pad_token_uses_unk_instead_of_eos():
