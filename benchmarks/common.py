@@ -161,6 +161,15 @@ def window_throughput(step_end_times: list[float], step_tokens: list[int], warmu
     return result
 
 
+PAIR_KEYS = {"tokens_per_s": "pairs_per_s", "tokens_per_cpu_s": "pairs_per_cpu_s",
+             "target_tokens_per_step": "pairs_per_step"}
+
+
+def in_pairs(window: dict) -> dict:
+    """A `window_throughput` result whose counts were preference pairs (reward model, DPO): keys renamed."""
+    return {PAIR_KEYS.get(k, k): v for k, v in window.items()}
+
+
 def peak_rss_self_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 

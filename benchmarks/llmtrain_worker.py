@@ -6,9 +6,10 @@
     PYTHONPATH=/path/to/an/older/checkout python benchmarks/llmtrain_worker.py ...   # that checkout's llmtrain
     torchrun --standalone --nproc_per_node 2 benchmarks/llmtrain_worker.py ... -- ... backend=zero2
 
-- each metrics.jsonl step record gets `wall_time` / `cpu_time` (perf_counter / process_time when rank 0
-  logs it): the benchmark's throughput window is wall clock over whole loop iterations, the same
-  figure every other contender gets (llmtrain's own `tokens_per_s` leaves out data loading and logging);
+- each metrics.jsonl step record (one with `tokens`, or `pairs` for the reward-model and DPO stages) gets
+  `wall_time` / `cpu_time` (perf_counter / process_time when rank 0 logs it): the benchmark's throughput
+  window is wall clock over whole loop iterations, the same figure every other contender gets (llmtrain's
+  own `tokens_per_s` / `pairs_per_s` is per step and leaves out logging); pair stages report `pairs_per_s`;
 - `--comm-step K`: during optimizer step K the collectives of this rank are counted (a dispatch mode
   over the c10d ops) and its live tensor bytes taken just before the update; that step is slower and is
   left out of the throughput window (make K the last step);
@@ -38,13 +39,20 @@ import common as C  # noqa: E402
 RANK = int(os.environ.get("RANK", "0"))
 
 
+UNITS = ("tokens", "pairs")  # what a stage's step record counts (Stage.count_name)
+
+
+def step_unit(record: dict) -> str | None:
+    return next((unit for unit in UNITS if unit in record), None)
+
+
 def install_clock() -> None:
     from llmtrain.metrics import sinks
 
     original = sinks.JsonlSink.log
 
     def log(self, record):
-        if "step_time_s" in record:  # a training step (tokens or pairs), not an eval
+        if step_unit(record):  # a training step's record (SFT/pretrain: tokens; reward model, DPO: pairs)
             record = dict(record, wall_time=time.perf_counter(), cpu_time=time.process_time())
         return original(self, record)
 
@@ -127,18 +135,22 @@ def packing_check(overrides: list[str]) -> dict:
 
 def summarise(overrides: list[str], warmup: int, comm_step: int | None) -> dict:
     records = [json.loads(line) for line in open(output_dir(overrides) / "metrics.jsonl")]
-    steps = [r for r in records if "tokens" in r]
+    steps = [r for r in records if step_unit(r)]
     if comm_step is not None:  # the counted step runs under a dispatch mode: not timed
         steps = [r for r in steps if r["step"] < comm_step]
-    result = C.window_throughput([r["wall_time"] for r in steps], [r["tokens"] for r in steps], warmup,
+    unit = step_unit(steps[0])
+    result = C.window_throughput([r["wall_time"] for r in steps], [r[unit] for r in steps], warmup,
                                  [r["cpu_time"] for r in steps])
-    # llmtrain's own figure: tokens / step_time_s, which starts after the batch is fetched and collated
-    own = sorted(r["tokens_per_s"] for r in steps[warmup:])
-    result["self_reported_tokens_per_s_median"] = own[len(own) // 2]
+    if unit == "pairs":  # the same window, counted in pairs (reward model, DPO)
+        result = C.in_pairs(result)
+    # llmtrain's own figure: count / step_time_s (since fac5d8f the step's clock includes fetching the batch)
+    own = sorted(r[f"{unit}_per_s"] for r in steps[warmup:])
+    result[f"self_reported_{unit}_per_s_median"] = own[len(own) // 2]
     timed = steps[warmup:]
-    result["self_reported_tokens_per_s_overall"] = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    result[f"self_reported_{unit}_per_s_overall"] = sum(r[unit] for r in timed) / sum(r["step_time_s"] for r in timed)
     result["step_time_fraction_of_loop"] = sum(r["step_time_s"] for r in timed) / result["measured_s"]
     result["first_loss"], result["last_loss"] = steps[0]["loss"], steps[-1]["loss"]
+    result["losses"] = [r["loss"] for r in steps]
     memory = {k: v for r in records for k, v in r.items() if k.startswith("memory_")}
     if memory:
         result["logged_memory"] = memory

@@ -179,7 +179,7 @@ def _mb(x) -> str:
 
 def table(result: dict) -> str:
     return {"cpu-small": cpu_table, "compare": compare_table, "backends": backends_table,
-            "gpu": gpu_table}[result["suite"]](result)
+            "gpu": gpu_table, "preference": preference_table}[result["suite"]](result)
 
 
 def _header(*columns: str) -> list[str]:
@@ -308,4 +308,92 @@ def backends_table(result: dict) -> str:
         lines.append(f"| {name} | {e['tokens_per_s']['median']:,.0f} | {e['tokens_per_cpu_s']['median']:,.0f} | {rss} "
                      f"| {logged_text} | {live} | {_mb(e['formula_state_bytes'])} = {e['formula_state']} "
                      f"| {comm} | {_mb(e['formula_comm_bytes'])} = {e['formula_comm']} |")
+    return "\n".join(lines)
+
+
+# ---- preference: reward model and DPO against TRL, in pairs per second ---------------------------------------
+
+PAIR_TARGETS = {"reward model": ("llmtrain reward", "TRL RewardTrainer", 1.3),
+                "DPO": ("llmtrain dpo", "TRL DPOTrainer", 1.0)}
+
+
+def summarise_preference(runs: list[dict]) -> dict:
+    """Per contender: medians and spread over rounds of pairs/s, pairs/CPU-s, peak RSS; losses from round 0;
+    then llmtrain / TRL on three estimators (median, best round, median per CPU-second) against the goals."""
+    by_name = defaultdict(list)
+    for run in runs:
+        by_name[run["contender"]].append(run)
+    summary = {}
+    for name, rs in by_name.items():
+        ok = [r for r in rs if "pairs_per_s" in r["result"]]
+        if not ok:
+            summary[name] = {"error": rs[0].get("error", "failed")}
+            continue
+        first = next((r["result"] for r in ok if r["round"] == 0), ok[0]["result"])
+        summary[name] = {
+            "pairs_per_s": _spread([r["result"]["pairs_per_s"] for r in ok]),
+            "pairs_per_cpu_s": _spread([r["result"]["pairs_per_cpu_s"] for r in ok]),
+            "peak_rss_mb": _spread([r["peak_rss_mb"] for r in ok]),
+            "median_step_s": _spread([r["result"]["median_step_s"] for r in ok]),
+            "pairs_per_step": first["pairs_per_step"], "first_loss": first.get("first_loss"),
+            "last_loss": first.get("last_loss"), "losses": first.get("losses"), "pooling": first.get("pooling"),
+            "others_load_cores": _spread([r["foreign_load_cores"] for r in ok]), "failed_runs": len(rs) - len(ok)}
+    goals = {}
+    for label, (ours, theirs, goal) in PAIR_TARGETS.items():
+        a, b = summary.get(ours, {}), summary.get(theirs, {})
+        if "pairs_per_s" not in a or "pairs_per_s" not in b:
+            continue
+        ratios = {"median": a["pairs_per_s"]["median"] / b["pairs_per_s"]["median"],
+                  "best round": a["pairs_per_s"]["max"] / b["pairs_per_s"]["max"],
+                  "per CPU-s (median)": a["pairs_per_cpu_s"]["median"] / b["pairs_per_cpu_s"]["median"]}
+        loss_gap = (abs(a["first_loss"] - b["first_loss"]) if a.get("first_loss") is not None
+                    and b.get("first_loss") is not None else None)
+        goals[label] = {"llmtrain": ours, "trl": theirs, "goal": goal, "ratios": ratios,
+                        "met": ratios["median"] >= goal, "first_loss_abs_diff": loss_gap}
+    summary["_goals"] = goals
+    return summary
+
+
+PREFERENCE_COLUMNS = ("contender", "pairs/s (median):", "min–max:", "× TRL:", "pairs/CPU-s:", "× TRL:",
+                      "median step s:", "peak RSS MB:", "first-step loss:", "last loss:", "others' load, cores:")
+
+
+def _trl_of(name: str) -> str | None:
+    return next((theirs for ours, theirs, _ in PAIR_TARGETS.values() if name == ours), None)
+
+
+def preference_table(result: dict) -> str:
+    s, p = result["summary"], result["preference"]
+    d = p["pairs"]
+    lines = [f"{p['pairs_per_step']} pairs per step ({2 * p['pairs_per_step']} rows in one forward), "
+             f"{d['pairs']} pairs; sequence length mean {d['mean_tokens']:.0f}, p50 {d['p50']}, p90 {d['p90']}, "
+             f"max {d['max']} tokens; per step {d['real_tokens_per_step_mean']:,.0f} real tokens in "
+             f"{d['padded_tokens_per_step_mean']:,.0f} padded (mean over the {d['steps_counted']} steps run). "
+             f"DPO β = {p['dpo_beta']}, sigmoid; the reference computed in the step.", "",
+             *_header(*PREFERENCE_COLUMNS)]
+    for name, e in s.items():
+        if name.startswith("_"):
+            continue
+        if "error" in e:
+            lines.append(_failed_row(name, f"failed: {e['error'][:80]}", len(PREFERENCE_COLUMNS)))
+            continue
+        t, c, trl = e["pairs_per_s"], e["pairs_per_cpu_s"], s.get(_trl_of(name) or "", {})
+        vs = lambda key: f"**{e[key]['median'] / trl[key]['median']:.2f}×**" if key in trl else "–"  # noqa: E731
+        lines.append(f"| {name} | {t['median']:.2f} | {t['min']:.2f}–{t['max']:.2f} | {vs('pairs_per_s')} "
+                     f"| {c['median']:.2f} | {vs('pairs_per_cpu_s')} | {e['median_step_s']['median']:.3f} "
+                     f"| {e['peak_rss_mb']['median']:,.0f} | {e['first_loss']:.6f} | {e['last_loss']:.6f} "
+                     f"| {e['others_load_cores']['median']:.2f} |")
+    lines.append("")
+    for label, g in s["_goals"].items():
+        r = g["ratios"]
+        gap = "" if g["first_loss_abs_diff"] is None else f"; first-step losses differ by {g['first_loss_abs_diff']:.1e}"
+        lines.append(f"- {label}: {g['llmtrain']} / {g['trl']} = {r['median']:.2f}× by the median (best round "
+                     f"{r['best round']:.2f}×, per CPU-second {r['per CPU-s (median)']:.2f}×) vs goal ≥ {g['goal']}× → "
+                     f"{'met' if g['met'] else '**NOT met**'}{gap}")
+    for name, e in s.items():
+        pool = e.get("pooling") if isinstance(e, dict) else None
+        if pool:
+            lines.append(f"- {name}: pad id {pool['pad_token_id']}; transformers pools {pool['at_eos']} of "
+                         f"{pool['rows']} rows of its first batch at the EOS, {pool['before_eos']} at the token before "
+                         "(llmtrain: every row at the EOS)")
     return "\n".join(lines)

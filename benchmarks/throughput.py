@@ -5,6 +5,7 @@ llmtrain, and per backend.
     python benchmarks/throughput.py --suite compare              # llmtrain at --baseline REV against this working tree
     python benchmarks/throughput.py --suite backends --nproc 2   # DDP, ZeRO-1/2/3, ZeRO-3 offload, FSDP2, FSDP2+TP
     python benchmarks/throughput.py --suite gpu                  # MFU; exits with a message without a GPU
+    python benchmarks/throughput.py --suite preference           # reward model and DPO vs TRL (pairs/s), preference.py
 
 Every contender runs in its own process (peak RSS is its own, read with wait4), on the same tiny Llama
 (same initial weights), the same generated variable-length SFT data (common.DATA), AdamW with the same
@@ -167,8 +168,12 @@ def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: floa
             if proc["rc"] != 0 or not result:
                 run["error"] = failure_reason(proc["log"])
             runs.append(run)
-            status = f"{result.get('tokens_per_s', 0):8.0f} tok/s" if "tokens_per_s" in result else "FAILED " + \
-                run.get("error", "")
+            if "tokens_per_s" in result:
+                status = f"{result['tokens_per_s']:8.0f} tok/s"
+            elif "pairs_per_s" in result:
+                status = f"{result['pairs_per_s']:8.2f} pairs/s"
+            else:
+                status = "FAILED " + run.get("error", "")
             print(f"  round {r} {name:<32} {status}  (wall {proc['wall_s']:.0f}s, others' load "
                   f"{proc['foreign_load_cores']:.2f} cores)", flush=True)
     return runs
@@ -308,6 +313,13 @@ def suite_gpu(args, work: Path, tmp: Path, info: dict) -> dict:
     return gpu.run_suite(args, work, tmp, info)
 
 
+# ---- preference: reward model and DPO against TRL (preference.py) --------------------------------------------
+
+def suite_preference(args, work: Path, tmp: Path, info: dict) -> dict:
+    import preference
+    return preference.run_suite(args, work, tmp, info)
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 
 def machine() -> dict:
@@ -331,18 +343,22 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu"], required=True)
+    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference"], required=True)
     parser.add_argument("--baseline", default="eff726e",
                         help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
                              "last commit before per-sample attention, best-fit packing and the DDP changes)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --suite backends")
     parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small, compare, gpu), 1 (backends)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default: 5; backends 4, gpu 20)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default: 5; backends 4, gpu 20, preference 8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per contender (cpu-small, compare)")
     parser.add_argument("--only", nargs="*", help="contenders whose name contains one of these words")
     parser.add_argument("--backends", nargs="*", choices=BACKENDS)
-    parser.add_argument("--all", action="store_true", help="cpu-small: also TRL's default without gradient checkpointing")
+    parser.add_argument("--all", action="store_true",
+                        help="cpu-small: also TRL's default without gradient checkpointing; preference: also TRL's "
+                             "reward model with pad = eos, and both TRL trainers with their default gradient checkpointing")
+    parser.add_argument("--profile", action="store_true", help="preference: cProfile every llmtrain run, kept as "
+                        "results/preference-<contender>-<round>.prof")
     parser.add_argument("--peak-tflops", type=float, help="gpu suite: the device's dense bf16 peak, if not known")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each run wait up to this many seconds for the machine's other load to drop "
@@ -350,9 +366,9 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     args.rounds = args.rounds or {"backends": 1, "gpu": 3}.get(args.suite, 3)
-    args.steps = args.steps or {"backends": 4, "gpu": 20}.get(args.suite, 5)
+    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8}.get(args.suite, 5)
     suite = {"cpu-small": suite_cpu_small, "compare": suite_compare, "backends": suite_backends,
-             "gpu": suite_gpu}[args.suite]
+             "gpu": suite_gpu, "preference": suite_preference}[args.suite]
     if args.suite == "gpu" and gpu_missing():
         return
     started = time.time()
@@ -374,6 +390,8 @@ def main() -> None:
               "data": dict(C.DATA, **info["data"], max_seq_len=C.MAX_SEQ_LEN), "optim": C.OPTIM,
               "global_batch": {"unpacked_samples": C.GLOBAL_BATCH_SAMPLES, "packed_rows": C.GLOBAL_BATCH_ROWS_PACKED},
               "wall_s": time.time() - started, **body}
+    if args.suite == "preference":  # trains on its own pairs and batch (result["preference"]), not the SFT samples
+        result.pop("data"), result.pop("global_batch")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.suite}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
