@@ -168,7 +168,7 @@ def test_optimizer_offload_needs_a_zero_stage():
         validate(cfg, 2)
 
 
-def test_expected_bytes_follow_formulas_md():
+def test_expected_bytes_follow_docs_formulas_md():
     m, n = 1000, 4
     for stage in range(4):
         plain = deepspeed_expected(num_params=m, persistent_params=0, stage=stage, dp=n, grad_accum_steps=2,
