@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -360,6 +361,10 @@ class DeepSpeedEngine:
         state = self.gathered_state_dict() if self.stage == 3 or masters else None
         if self.ctx.is_main:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            if masters:  # save_pretrained writes the module's dtype; from_pretrained's default ("auto") follows it
+                config = copy.deepcopy(self.model.config)
+                config.dtype = torch.float32
+                config.save_pretrained(directory)
         barrier()
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -221,6 +221,8 @@ def test_export_writes_the_fp32_masters(bf16_run, stage):
         assert torch.equal(exported[name].bfloat16(), weights["working"][name]), name
     flat = torch.cat([t.flatten() for t in exported.values()])
     assert not torch.equal(flat, flat.bfloat16().float())  # not representable in bf16
+    # config.json names the dtype written: from_pretrained's default ("auto") would otherwise cast to bf16
+    assert json.loads((out / "hf" / "config.json").read_text())["dtype"] == "float32"
     if stage >= 2:  # DeepSpeed's own consolidation of the checkpoint's fp32 partitions agrees
         # (zero_to_fp32 cannot read ZeRO-1's BF16_Optimizer checkpoints: "is not a zero checkpoint")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
