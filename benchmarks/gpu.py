@@ -1,7 +1,7 @@
 """--suite gpu: tokens/s and MFU of llmtrain (unpacked, packed) and the plain loop on one GPU, bf16.
 
 Not run on the machine these benchmarks were written on (no GPU there): treat the first run as a test.
-MFU convention (say it with the number, formulas.md): useful model FLOPs only —
+MFU convention (say it with the number, docs/formulas.md): useful model FLOPs only —
 6·M·(non-pad tokens) + 12·L·h·Σ len² per step (M without the input embedding; attention per sample,
 without the causal halving; padding counted as waste, not work) — divided by the device's dense bf16
 peak (A100 312, H100/H200 989 TFLOP/s; or --peak-tflops). The FLOPs per target token are the data

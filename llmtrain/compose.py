@@ -66,11 +66,59 @@ def _own_error(error: BaseException) -> ConfigError | None:
     return error
 
 
+FROM_CONFIG = "model.from_config"
+
+
+def split_from_config(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the `model.from_config...` overrides, the others), each in command-line order."""
+    def ours(override: str) -> bool:
+        key = override.lstrip("+~").split("=", 1)[0]
+        return key == FROM_CONFIG or key.startswith(FROM_CONFIG + ".")
+    return [o for o in overrides if ours(o)], [o for o in overrides if not ours(o)]
+
+
+def apply_from_config(cfg: DictConfig, overrides: list[str]) -> None:
+    """`model.from_config` holds `model_type` plus the fields of that transformers config class, so its keys
+    are not known in advance: Hydra's struct mode would refuse each new one (`Key 'n_embd' is not in
+    struct`), and cannot replace the group's dict. Its overrides apply here, after the groups, in order:
+    `model.from_config=null` empties it, `model.from_config={...}` replaces it, `model.from_config.KEY=VALUE`
+    sets one field (creating the dict; a dotted KEY reaches into a nested dict), `~model.from_config.KEY`
+    drops one. Which fields the class has is checked later (`models.load.model_config`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    node = cfg.model.from_config
+    fields = None if node is None else OmegaConf.to_container(node)
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_sweep_override():
+            raise ConfigError(f"{override.input_line}: one value only (no sweeps)")
+        path = [p for p in override.key_or_group[len(FROM_CONFIG):].split(".") if p]
+        value = None if override.is_delete() else override.value()
+        if not path:
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{override.input_line}: model.from_config is null or a mapping "
+                                  "{model_type: ..., field: value, ...}")
+            fields = value
+            continue
+        if fields is None:
+            fields = {}
+        parent = fields
+        for part in path[:-1]:
+            parent = parent.setdefault(part, {})
+            if not isinstance(parent, dict):
+                raise ConfigError(f"{override.input_line}: model.from_config.{part} is not a mapping")
+        if override.is_delete():
+            parent.pop(path[-1], None)
+        else:
+            parent[path[-1]] = value
+    cfg.model.from_config = fields
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """Compose, resolve interpolations, and return a read-only typed config."""
     register_schema()
     _register_resolvers()
     recipe, rest = split_recipe(overrides)
+    from_config, rest = split_from_config(rest)
     recipe_path = Path(recipe)
     if recipe_path.suffix in (".yaml", ".yml"):
         primary_dir, name = recipe_path.resolve().parent, recipe_path.stem
@@ -83,6 +131,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
             cfg = compose(name, overrides=[f"hydra.searchpath=[file://{conf_dir()}]", f"recipe={name}", *rest])
         # Outside the `with`: Hydra's global state is cleared again, so a resolver may compose another
         # recipe (${base:...} composes the base recipe to find its cache key).
+        apply_from_config(cfg, from_config)
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as error:
         own = _own_error(error)

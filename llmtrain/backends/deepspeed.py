@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -44,9 +45,11 @@ DS_ROLES = (
     ("params", ("bit16_groups_flat", "bit16_groups", "parallel_partitioned_bit16_groups", "fp16_groups",
                 "fp16_partitioned_groups_flat", "fp16_partitioned_groups", "persistent_parameters",
                 "lp_param_buffer", "param_groups_fp16_flat_cpu_memory")),
-    ("master", ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")),
+    ("master", ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                "fp32_groups_flat_partition",  # BF16_Optimizer (ZeRO-1 under bf16)
+                "fp32_groups")),  # FP16_UnfusedOptimizer (ZeRO-0 under bf16/fp16)
     ("grads", ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer", "offload_gradient_dict",
-               "all_grad_tensors")),
+               "all_grad_tensors", "fp32_groups_gradients_flat")),
     ("buffers", ("ipg_buckets", "ipg_buffer", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
                  "param_buffer_of_bit16_for_cpu_offload_groups", "norm_for_param_grads", "_global_grad_norm",
                  "inf_or_nan_tracker", "grad_position", "small_grad_partitions")),
@@ -126,7 +129,8 @@ class DeepSpeedEngine:
         self.module = self.ds  # forward through the engine: ZeRO-3 gathers parameters in its hooks
         self.model = self.ds.module
         # ZeRO-0 in fp32 runs our optimizer unwrapped: DeepSpeed neither computes the norm nor checks it.
-        self._own_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
+        # (BF16_Optimizer, ZeRO-1 under bf16, sets _global_grad_norm only in its first step: test identity.)
+        self._own_norm = self.ds.optimizer is self.optimizer
         if ctx.is_main:
             log.info("DeepSpeed ZeRO-%d on %d ranks, %s, optimizer %s (offload: optimizer %s, params %s)", self.stage,
                      self.dp_size, precision, self.optimizer_name, settings.offload_optimizer.device,
@@ -360,19 +364,36 @@ class DeepSpeedEngine:
 
     # ---- export --------------------------------------------------------------------------------
     def export_hf(self, directory: Path) -> None:
-        """A consolidated Hugging Face folder from any stage: ZeRO-3 gathers each parameter in turn."""
-        state = self.gathered_state_dict() if self.stage == 3 else None
+        """A consolidated Hugging Face folder from any stage: under bf16/fp16 the fp32 master weights (the
+        working copy is rounded to 16 bits), at ZeRO-3 gathered parameter by parameter."""
+        masters = self.optimizer is not None and self.precision in ("bf16", "fp16")
+        state = self.gathered_state_dict() if self.stage == 3 or masters else None
         if self.ctx.is_main:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            if masters:  # save_pretrained writes the module's dtype; from_pretrained's default ("auto") follows it
+                config = copy.deepcopy(self.model.config)
+                config.dtype = torch.float32
+                config.save_pretrained(directory)
         barrier()
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 (None elsewhere); a collective: every rank calls it."""
-        GatheredParameters = _import_deepspeed().zero.GatheredParameters
-
+        """Full weights on rank 0 (None elsewhere); a collective: every rank calls it. With an optimizer these
+        are DeepSpeed's fp32 masters (`safe_get_full_fp32_param`: ZeRO-1/2 and BF16_Optimizer all-reduce the
+        partitions, ZeRO-3 all-gathers them; ZeRO-0 keeps whole fp32 copies); a frozen engine (no optimizer)
+        or a frozen parameter has no master: what the module holds (bf16 under bf16)."""
+        deepspeed = _import_deepspeed()
+        zero0 = self._zero0_masters() if self.optimizer is not None and self.stage == 0 else {}
         state = {}
         for name, param in self.model.named_parameters():
-            with GatheredParameters([param], modifier_rank=None):
+            master = None
+            if self.optimizer is not None:
+                master = zero0.get(id(param)) if self.stage == 0 else deepspeed.utils.safe_get_full_fp32_param(param)
+            if master is not None:
+                if self.ctx.is_main:
+                    state[name] = master.detach().to("cpu", copy=True).view(param.ds_shape if hasattr(param, "ds_shape")
+                                                                             else param.shape)
+                continue
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 if self.ctx.is_main:
                     state[name] = param.detach().to("cpu", copy=True)
         if not self.ctx.is_main:
@@ -380,6 +401,12 @@ class DeepSpeedEngine:
         persistent = set(self.model.state_dict())  # keys only: non-persistent buffers (rotary tables) are not saved
         state.update({name: b.detach().to("cpu", copy=True) for name, b in self.model.named_buffers() if name in persistent})
         return state
+
+    def _zero0_masters(self) -> dict[int, torch.Tensor]:
+        """ZeRO-0 under bf16/fp16 (DeepSpeed's FP16_UnfusedOptimizer): id(module parameter) -> its fp32 copy."""
+        opt = self.ds.optimizer
+        return {id(lp): hp for lps, hps in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", []))
+                for lp, hp in zip(lps, hps)}
 
 
 def model_hidden_size(model: torch.nn.Module) -> int | None:

@@ -137,6 +137,35 @@ def model_sized(s: DeepSpeedSettings, hidden_size: int | None) -> dict[str, int]
     return sizes
 
 
+def bf16_gradient_dtypes(zero_stage: int) -> dict:
+    """The DeepSpeed keys that keep bf16 gradients in fp32 where DeepSpeed 0.19.8 allows it, as DDP and
+    FSDP2 do (their gradients are fp32). Left alone, DeepSpeed accumulates and reduces them in bf16.
+
+    What each stage then does (gradient dtypes checked by tests/dist/test_deepspeed_bf16.py):
+    - ZeRO-0: DeepSpeed refuses `data_types.grad_accum_dtype: fp32` with bf16 weights (NotImplementedError
+      "unsupported mix"): micro-batch gradients accumulate in bf16 `param.grad`; the all-reduce runs in fp32
+      (`communication_data_type`) and is written back to bf16; the fp32 master update reads it. The one stage
+      whose accumulation stays bf16: use ZeRO-1 or later for long accumulation.
+    - ZeRO-1: fp32 accumulation makes DeepSpeed use its BF16_Optimizer instead of the ZeRO-1 optimizer: one
+      whole fp32 gradient buffer (4 bytes per parameter, not partitioned) that each parameter's bf16 gradient
+      is added to as soon as backward produces it (`bf16.immediate_grad_update`: the bf16 copy is freed at
+      once; same sums as adding after backward), all-reduced in fp32 at the boundary; each rank updates its
+      fp32 master partition. With optimizer offload DeepSpeed keeps its ZeRO-1 optimizer: fp32
+      `param.grad_accum`, reduced in fp32 at the boundary.
+    - ZeRO-2: the ZeRO-2 optimizer with an fp32 gradient partition: every micro-batch's bf16 gradients are
+      bucketed in fp32, reduced to their owner in fp32 and added to the fp32 partition.
+    - ZeRO-3: the fp32 gradient partition (`grad_partitions_flat_buffer`), every micro-batch reduce-scattered
+      in fp32; parameter all-gathers stay bf16.
+    Gradient traffic doubles against bf16 (4 bytes per element). `backend.ds_config_overrides` may set these
+    keys back to bf16 (`{data_types: {grad_accum_dtype: bf16}, communication_data_type: bf16}`)."""
+    keys: dict[str, Any] = {"communication_data_type": "fp32"}
+    if zero_stage >= 1:
+        keys["data_types"] = {"grad_accum_dtype": "fp32"}
+    if zero_stage == 1:
+        keys["bf16"] = {"immediate_grad_update": True}
+    return keys
+
+
 def build_ds_config(s: DeepSpeedSettings, *, dp_size: int, precision: str, max_grad_norm: float,
                     hidden_size: int | None) -> dict:
     """The dict for `deepspeed.initialize(config=...)`: batch triple, clipping, precision, ZeRO, overrides.
@@ -176,6 +205,8 @@ def build_ds_config(s: DeepSpeedSettings, *, dp_size: int, precision: str, max_g
         "steps_per_print": None,
         "wall_clock_breakdown": False,
     }
+    if precision == "bf16":
+        config = deep_merge(config, bf16_gradient_dtypes(s.zero_stage))
     return deep_merge(config, s.overrides)
 
 

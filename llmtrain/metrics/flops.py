@@ -1,4 +1,4 @@
-"""Training FLOPs per token (formulas.md) and human-readable units for the plan."""
+"""Training FLOPs per token (docs/formulas.md) and human-readable units for the plan."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Model-state bytes per rank: what a backend really holds, next to the formula it should follow.
 
-formulas.md (fp32 training, M parameters, N data-parallel ranks): weights 4M, gradients 4M, Adam m+v 8M,
+docs/formulas.md (fp32 training, M parameters, N data-parallel ranks): weights 4M, gradients 4M, Adam m+v 8M,
 16M in all, sharded per ZeRO stage — DDP/ZeRO-0 16M, ZeRO-1 8M + 8M/N, ZeRO-2 4M + 12M/N, ZeRO-3 16M/N.
 `deepspeed_expected` adjusts it for what DeepSpeed really keeps:
 - a separate fp32 master partition (4M/N) in ZeRO-1/2/3 even when the weights are already fp32;
@@ -46,13 +46,13 @@ def deepspeed_expected(*, num_params: int, persistent_params: int, stage: int, d
 
 
 def formula_16m(*, num_params: int, stage: int, dp: int, elem_bytes: int = 4) -> float:
-    """formulas.md unadjusted: fp32 weights + grads + Adam = 16M, split per ZeRO stage."""
+    """docs/formulas.md unadjusted: fp32 weights + grads + Adam = 16M, split per ZeRO stage."""
     m, n, b = num_params, dp, elem_bytes
     return {0: 4 * b * m, 1: 2 * b * m + 2 * b * m / n, 2: b * m + 3 * b * m / n, 3: 4 * b * m / n}[stage]
 
 
 def planned_model_state_bytes(*, num_params: int, stage: int, dp: int, mixed_precision: bool) -> float:
-    """Per-rank model states from formulas.md: mixed-precision Adam (16-bit weights and grads, fp32 master
+    """Per-rank model states from docs/formulas.md: mixed-precision Adam (16-bit weights and grads, fp32 master
     + m + v) = 4M + 12M/N (ZeRO-1), 2M + 14M/N (ZeRO-2), 16M/N (ZeRO-3 / FSDP), 16M (DDP); fp32: 16M split
     the same way. Activations are not included."""
     if not mixed_precision:

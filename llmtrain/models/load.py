@@ -57,17 +57,53 @@ def model_config(name_or_path: str | None, from_config: dict | None, config_path
     if from_config is not None:
         fields = dict(from_config)
         model_type = fields.pop("model_type")
-        known = set(AutoConfig.for_model(model_type).to_dict())
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ConfigError(f"model.from_config: {model_type} configs have no field(s) {', '.join(unknown)}; "
-                              f"check the spelling against transformers' {model_type} config")
+        check_from_config_fields(model_type, fields)
         if vocab_size is not None:
             fields.setdefault("vocab_size", vocab_size)
         return AutoConfig.for_model(model_type, **fields)
     if config_path is not None and not Path(name_or_path).is_dir():
         return AutoConfig.from_pretrained(config_path)
     return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+
+
+def _tiny_model_types() -> set[str]:
+    """The model types with a shipped `model=tiny_<type>` group."""
+    from llmtrain.compose import conf_dir
+
+    return {p.stem.removeprefix("tiny_") for p in (conf_dir() / "model").glob("tiny_*.yaml")}
+
+
+def check_from_config_fields(model_type: str, fields: dict) -> None:
+    """`model.from_config` is model_type plus fields of that transformers config class (its own names, or the
+    aliases in its attribute_map, e.g. GPT-2's hidden_size for n_embd). Fields of another class, as when only
+    model_type is overridden on top of tiny_llama, and one field given under two names are errors that say
+    what to do instead."""
+    try:
+        config_class = type(AutoConfig.for_model(model_type))
+    except ValueError:
+        raise ConfigError(f"model.from_config.model_type={model_type!r} is not a transformers model type "
+                          "(llama, qwen2, mistral, gpt2, ...)") from None
+    own, aliases = set(config_class().to_dict()), dict(getattr(config_class, "attribute_map", {}))
+    unknown = sorted(set(fields) - own - set(aliases))
+    twice = [f"{alias} is {config_class.__name__}'s alias of {field} and both are set: set only {field}"
+             for alias, field in aliases.items() if alias in fields and field in fields]
+    tiny = _tiny_model_types() if unknown or twice else set()
+    other = {name for t in tiny - {model_type} for name in AutoConfig.for_model(t).to_dict()}
+    carried, misspelled = [f for f in unknown if f in other], [f for f in unknown if f not in other]
+    fix = (f"use model=tiny_{model_type} and override its fields, or " if model_type in tiny else "") + \
+        f"replace the whole dict: model.from_config=null model.from_config.model_type={model_type} " \
+        "model.from_config.FIELD=VALUE ..."
+    problems = []
+    if carried:
+        problems.append(f"{model_type} configs ({config_class.__name__}) have no field(s) {', '.join(carried)}: "
+                        "fields of another model class, carried over from the model group when only "
+                        f"model.from_config.model_type changes; {fix}")
+    if misspelled:
+        problems.append(f"{model_type} configs ({config_class.__name__}) have no field(s) {', '.join(misspelled)}; "
+                        f"check the spelling against transformers' {config_class.__name__}")
+    problems += twice
+    if problems:
+        raise ConfigError("model.from_config: " + "\n  - model.from_config: ".join(problems))
 
 
 def resolve_attn_implementation(requested: str, device: torch.device, precision: str = "bf16") -> str:

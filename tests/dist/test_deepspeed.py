@@ -119,7 +119,7 @@ def test_export_from_zero3_shards_round_trips(runs):
 
 
 def expected_bytes(model_dir: Path, stage: int, dp: int = 2) -> dict[str, float]:
-    """formulas.md, fp32 (4M weights + 4M grads + 8M Adam, sharded per stage) + DeepSpeed's fp32 master
+    """docs/formulas.md, fp32 (4M weights + 4M grads + 8M Adam, sharded per stage) + DeepSpeed's fp32 master
     partition (4M/N) + ZeRO-3's whole persistent parameters (4P, "auto" threshold 10·h); accumulation 2."""
     from transformers import AutoModelForCausalLM
 

@@ -40,6 +40,26 @@ def test_zero_sections_follow_the_stage():
     assert z3["stage3_param_persistence_threshold"] == 7 and "offload_optimizer" not in z3
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_gradients_accumulate_and_reduce_in_fp32_where_deepspeed_allows(stage):
+    """DeepSpeed 0.19.8 defaults to bf16 gradient accumulation and reduction under bf16 (DDP/FSDP2: fp32).
+    ZeRO-0 refuses fp32 accumulation with bf16 weights; ZeRO-1 then runs BF16_Optimizer (immediate update).
+    The dtypes DeepSpeed really uses are checked in tests/dist/test_deepspeed_bf16.py."""
+    config = build_ds_config(settings(zero_stage=stage), dp_size=2, precision="bf16", max_grad_norm=1.0,
+                             hidden_size=64)
+    assert config["communication_data_type"] == "fp32"
+    assert config.get("data_types") == (None if stage == 0 else {"grad_accum_dtype": "fp32"})
+    assert config["bf16"] == ({"enabled": True, "immediate_grad_update": True} if stage == 1 else {"enabled": True})
+    for precision in ("fp32", "fp16"):  # only bf16 changes DeepSpeed's defaults
+        other = build_ds_config(settings(zero_stage=stage), dp_size=2, precision=precision, max_grad_norm=1.0,
+                                hidden_size=64)
+        assert "communication_data_type" not in other and "data_types" not in other
+    back = {"communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "bf16"}}  # a user's choice wins
+    config = build_ds_config(settings(zero_stage=stage, overrides=back), dp_size=2, precision="bf16",
+                             max_grad_norm=1.0, hidden_size=64)
+    assert config["communication_data_type"] == "bf16" and config["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
 def test_overrides_are_deep_merged_last():
     overrides = {"zero_optimization": {"round_robin_gradients": True, "reduce_bucket_size": 5}, "comms_logger": {}}
     config = build_ds_config(settings(overrides=overrides), dp_size=2, precision="fp32", max_grad_norm=1.0,
@@ -148,7 +168,7 @@ def test_optimizer_offload_needs_a_zero_stage():
         validate(cfg, 2)
 
 
-def test_expected_bytes_follow_formulas_md():
+def test_expected_bytes_follow_docs_formulas_md():
     m, n = 1000, 4
     for stage in range(4):
         plain = deepspeed_expected(num_params=m, persistent_params=0, stage=stage, dp=n, grad_accum_steps=2,
