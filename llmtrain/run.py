@@ -161,7 +161,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision)
+    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed, optimizer_spec(cfg))
     config_yaml = _config_yaml(cfg, ctx, precision)
