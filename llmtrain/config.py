@@ -50,7 +50,8 @@ class ModelConfig:
     from_config: Optional[Dict[str, Any]] = None  # {model_type: llama, hidden_size: ..., ...}
     config_path: Optional[str] = None  # a shipped config.json: validates a hub id offline
     tokenizer: Optional[str] = None  # default: the model directory
-    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa_segments
+    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else flex_segments on GPU,
+    # sdpa_segments on CPU
     activation_checkpointing: bool = False
     dropout: float = 0.0
     trust_remote_code: bool = False
@@ -223,6 +224,9 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     if m.attn_implementation.startswith("flash_attention") and cfg.precision == "fp32":
         problems.append(f"model.attn_implementation={m.attn_implementation} runs in bf16/fp16 only, but precision=fp32: "
                         "use precision=bf16 (or auto on a GPU), or model.attn_implementation=auto")
+    if m.attn_implementation in ("flex_segments", "flex_attention") and m.dropout > 0:  # models/flex.py
+        problems.append(f"model.attn_implementation={m.attn_implementation} has no attention dropout, but "
+                        f"model.dropout={m.dropout}: use model.dropout=0, or sdpa_segments")
     if not 0 <= m.dropout < 1:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= d.eval_fraction < 1:

@@ -151,7 +151,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     if ctx.is_main:
         log.info("plan:\n%s", plan)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
-    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision)
+    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
     data = build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
                       eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,

@@ -6,6 +6,9 @@ their sample lengths as host ints; `for_attention` turns them into what the mode
   as a keyword argument (see models/attention.py);
 - flash-attention: no mask, `cu_seq_lens_*` over the flattened (B·T) tokens for the varlen kernel
   (transformers infers them from position_ids only for a batch of one row);
+- FlexAttention (`flex_segments`, and transformers' `flex_attention`): a document BlockMask as the
+  `attention_mask`, built once per batch here from the sample lengths (see models/flex.py); unpacked
+  `flex_segments` batches get no mask, as with `sdpa_segments`;
 - any other (`sdpa`, `eager`): a (B, 1, T, T) block-diagonal causal mask, as FLOAT (0 = attend,
   finfo(dtype).min = masked): in transformers 5 a bool 4-D mask is silently wrong with `eager`. Padding
   positions attend only to themselves, so no mask row is fully masked (softmax over nothing is NaN).
@@ -18,13 +21,15 @@ import torch
 
 from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens
 from llmtrain.models.attention import SEGMENT_ATTENTION, SEGMENT_LENGTHS, row_segments
+from llmtrain.models.flex import FLEX_ATTENTION, FLEX_IMPLEMENTATIONS, BlockMask, document_block_mask
 
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, T) long
     labels: torch.Tensor  # (B, T) long, aligned with input_ids, IGNORE_INDEX where no loss
-    attention_mask: torch.Tensor | None  # (B, T) long padding mask; (B, 1, T, T) float or None when packed
+    attention_mask: torch.Tensor | BlockMask | None  # (B, T) long padding mask; packed: (B, 1, T, T) float,
+    # a BlockMask or None (see for_attention)
     position_ids: torch.Tensor | None = None  # (B, T) long, restarting per sample; packed rows only
     seq_lens: tuple[tuple[int, ...], ...] | None = None  # packed rows: each row's sample lengths
     num_targets: int = 0  # tokens that carry a loss after the one-token shift, counted on the host
@@ -40,6 +45,8 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         def move(value):
+            if isinstance(value, BlockMask):
+                return value.to(device)
             return value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
 
         return replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
@@ -51,8 +58,13 @@ class Batch:
         if attn_implementation == SEGMENT_ATTENTION:
             segments = {SEGMENT_LENGTHS: self._row_segments()} if self.is_packed else {}
             return replace(self, attention_mask=None, attention_kwargs=segments)
+        if attn_implementation == FLEX_ATTENTION and not self.is_packed:
+            return replace(self, attention_mask=None)
         if not self.is_packed:
             return self
+        if attn_implementation in FLEX_IMPLEMENTATIONS:
+            segment_ids = torch.stack([_segment_ids(lens, self.width) for lens in self.seq_lens])  # (B, T), host
+            return replace(self, attention_mask=document_block_mask(segment_ids, self.input_ids.device))
         if attn_implementation.startswith("flash_attention"):
             return replace(self, attention_mask=None, attention_kwargs=self._varlen_kwargs())
         mask = block_causal_mask(self.seq_lens, self.width, mask_dtype, self.input_ids.device)

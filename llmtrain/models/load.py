@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from llmtrain.config import ConfigError
 from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
+from llmtrain.models.flex import FLEX_ATTENTION, FLEX_IMPLEMENTATIONS, register_flex_attention
 from llmtrain.models.init import Gather, missing_modules, seeded_init
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,32 @@ def check_from_config_fields(model_type: str, fields: dict) -> None:
         raise ConfigError("model.from_config: " + "\n  - model.from_config: ".join(problems))
 
 
-def resolve_attn_implementation(requested: str, device: torch.device, precision: str = "bf16") -> str:
+def resolve_attn_implementation(requested: str, device: torch.device, precision: str = "bf16",
+                                dropout: float = 0.0) -> str:
     """auto: flash-attention 2 (varlen for packed rows) on a GPU that has it installed and a 16-bit compute
-    dtype (its kernels reject fp32), else sdpa per sample."""
+    dtype (its kernels reject fp32); else on a GPU FlexAttention with a document mask (one compiled kernel
+    per layer); on the CPU sdpa per sample.
+
+    The GPU choice of flex_segments over sdpa_segments is not measured here (no GPU on the machine it was
+    written on; `benchmarks/attention.py --device cuda` measures it). It rests on FlexAttention's published GPU
+    speed under torch.compile (PyTorch's FlexAttention post, Aug 2024: 90 % of FlashAttention-2 forward and
+    85 % backward on A100; torchtune's sample-packing throughput +71 % with its document mask), against
+    sdpa_segments' one sdpa launch per segment per layer from Python (~20 small kernels a layer for 4 rows of
+    512 at the benchmark's median sample of 100 tokens, forward and again backward). FlexAttention needs
+    Triton (shipped with CUDA torch) and has no dropout. On the CPU it loses (benchmarks/README.md): eager it
+    materialises the (B, H, T, T) scores; compiled it has no backward (torch 2.13).
+    """
     if requested != "auto":
+        if requested in FLEX_IMPLEMENTATIONS and device.type == "cpu":
+            raise ConfigError(f"model.attn_implementation={requested}: FlexAttention has no backward on the CPU "
+                              f"(torch {torch.__version__}); use sdpa_segments (or auto) on the CPU")
         return requested
-    if (device.type == "cuda" and precision in ("bf16", "fp16")
-            and importlib.util.find_spec("flash_attn") is not None):
+    if device.type != "cuda":
+        return SEGMENT_ATTENTION
+    if precision in ("bf16", "fp16") and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if dropout == 0 and importlib.util.find_spec("triton") is not None:
+        return FLEX_ATTENTION
     return SEGMENT_ATTENTION
 
 
@@ -154,6 +173,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         config.num_labels = 1
     if attn_implementation == SEGMENT_ATTENTION:
         register_segment_attention()
+    if attn_implementation == FLEX_ATTENTION:
+        register_flex_attention()
     on_meta = torch.get_default_device().type == "meta"
     cls = auto_class(head)
     gather = gather or (lambda params: contextlib.nullcontext())

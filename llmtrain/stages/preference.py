@@ -2,7 +2,7 @@
 
 A micro-batch of P pairs is ONE forward over its 2P sequences, chosen ones first (0..P-1), then the
 rejected ones (P..2P-1) in the same order: one pass over the weights instead of two. Padding-free where the
-attention keeps sequences apart without a dense mask (`sdpa_segments`, flash-attention varlen): the 2P
+attention keeps sequences apart without a dense mask (`sdpa_segments`, `flex_segments`, flash varlen): the 2P
 sequences go back to back in one packed row (positions restart per sequence), which on the benchmark's
 pairs does 2.7x less work than padding them to the longest (39 % of a padded batch is real tokens).
 With `sdpa`/`eager` (a dense mask over the packed row would grow with its square) they are right-padded
@@ -20,13 +20,15 @@ from llmtrain.data.collate import FILLER, Batch, collate
 from llmtrain.data.packing import merge_packed
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
+from llmtrain.models.flex import FLEX_ATTENTION
 
 HARD = "hard"  # the `kind` of a pair whose eval accuracy is reported apart (eval_accuracy_hard)
 
 
 def padding_free_for(attn_implementation: str) -> bool:
     """Pairs go padding-free under attentions that isolate packed sequences without a dense mask."""
-    return attn_implementation == SEGMENT_ATTENTION or attn_implementation.startswith("flash_attention")
+    return (attn_implementation in (SEGMENT_ATTENTION, FLEX_ATTENTION)
+            or attn_implementation.startswith("flash_attention"))
 
 
 @dataclass

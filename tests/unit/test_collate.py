@@ -28,6 +28,7 @@ def test_unpacked_rows_are_right_padded_with_a_padding_mask():
     assert set(batch.model_inputs()) == {"input_ids", "attention_mask"}
     assert batch.for_attention("flash_attention_2") is batch and batch.for_attention("eager") is batch
     assert set(batch.for_attention("sdpa_segments").model_inputs()) == {"input_ids"}  # causal: pads come last
+    assert set(batch.for_attention("flex_segments").model_inputs()) == {"input_ids"}
 
 
 def test_pad_to_multiple_of_rounds_the_width_up():

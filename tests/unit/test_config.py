@@ -69,6 +69,12 @@ def test_bad_values_name_the_field(override, needle):
         compose_ok("recipe=sft_tiny", override)
 
 
+def test_flex_attention_refuses_dropout():
+    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flex_segments has no attention dropout"):
+        compose_ok("recipe=sft_tiny", "model.attn_implementation=flex_segments", "model.dropout=0.1")
+    compose_ok("recipe=sft_tiny", "model.attn_implementation=flex_segments", "model.dropout=0")
+
+
 def test_global_batch_arithmetic_is_shown():
     cfg = compose_config(["recipe=sft_tiny", "trainer.global_batch_size=100", "trainer.micro_batch_size=4",
                           "trainer.grad_accum_steps=2"])

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import pytest
 import torch
 
 from llmtrain.models.load import build_model, load_tokenizer
@@ -47,20 +48,31 @@ def test_vocab_defaults_to_the_tokenizer_and_switches_reach_the_model():
     assert next(model.parameters()).dtype == torch.float32
 
 
-def test_auto_attention_picks_flash_only_for_16_bit_compute(monkeypatch):
-    """flash-attention kernels reject fp32: with flash-attn installed, precision=fp32 on a GPU gets sdpa."""
+@pytest.mark.parametrize("installed, device, precision, dropout, expected", [
+    ({"flash_attn", "triton"}, "cuda", "bf16", 0.0, "flash_attention_2"),
+    ({"flash_attn", "triton"}, "cuda", "fp32", 0.0, "flex_segments"),  # flash kernels reject fp32
+    ({"triton"}, "cuda", "bf16", 0.0, "flex_segments"),  # no flash-attn: one FlexAttention kernel per layer
+    ({"triton"}, "cuda", "bf16", 0.1, "sdpa_segments"),  # FlexAttention has no dropout
+    (set(), "cuda", "bf16", 0.0, "sdpa_segments"),  # no Triton, no compiled FlexAttention
+    ({"flash_attn", "triton"}, "cpu", "bf16", 0.0, "sdpa_segments"),  # eager FlexAttention is slow, has no backward
+])
+def test_auto_attention(monkeypatch, installed, device, precision, dropout, expected):
+    """flash-attention where installed for 16-bit compute, else FlexAttention on a GPU; sdpa per sample on the CPU."""
     import importlib.util
 
-    import torch
-
-    from llmtrain.models.attention import SEGMENT_ATTENTION
     from llmtrain.models.load import resolve_attn_implementation
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
-    cuda = torch.device("cuda", 0)
-    assert resolve_attn_implementation("auto", cuda, "bf16") == "flash_attention_2"
-    assert resolve_attn_implementation("auto", cuda, "fp32") == SEGMENT_ATTENTION
-    assert resolve_attn_implementation("auto", torch.device("cpu"), "bf16") == SEGMENT_ATTENTION
-    assert resolve_attn_implementation("eager", cuda, "fp32") == "eager"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if name in installed else None)
+                        if name in ("flash_attn", "triton") else real_find_spec(name, *a))
+    assert resolve_attn_implementation("auto", torch.device(device), precision, dropout) == expected
+    assert resolve_attn_implementation("eager", torch.device(device), "fp32") == "eager"
+
+
+def test_flex_attention_is_refused_on_the_cpu():
+    from llmtrain.config import ConfigError
+    from llmtrain.models.load import resolve_attn_implementation
+
+    with pytest.raises(ConfigError, match="no backward on the CPU"):
+        resolve_attn_implementation("flex_segments", torch.device("cpu"), "fp32")
+    assert resolve_attn_implementation("flex_segments", torch.device("cuda", 0), "fp32") == "flex_segments"

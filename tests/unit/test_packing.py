@@ -13,6 +13,7 @@ from llmtrain.data.formats import FORMATS
 from llmtrain.data.packing import merge_packed, pack_best_fit
 from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens, lm_loss_sum
 from llmtrain.models.attention import register_segment_attention
+from llmtrain.models.flex import register_flex_attention
 from llmtrain.models.tiny_tokenizer import TOKENIZER_DIR
 
 
@@ -23,6 +24,7 @@ def tokenizer():
 
 def tiny_llama(attn_implementation: str):
     register_segment_attention()
+    register_flex_attention()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -79,7 +81,7 @@ def parity_samples(tokenizer) -> list[dict]:
     return samples
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa_segments", "sdpa", "eager"])
+@pytest.mark.parametrize("attn_implementation", ["sdpa_segments", "sdpa", "eager", "flex_segments"])
 def test_packed_row_matches_its_samples_run_alone(tokenizer, attn_implementation):
     model = tiny_llama(attn_implementation)
     samples = parity_samples(tokenizer)
@@ -127,3 +129,31 @@ def test_segment_attention_trains_like_the_dense_block_mask(tokenizer):
     assert torch.allclose(dense_loss, segment_loss, atol=1e-6, rtol=0)
     for dense, segment in zip(dense_grads, segment_grads):
         assert torch.allclose(dense, segment, atol=1e-6, rtol=1e-5)
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """torch 2.13 refuses FlexAttention's backward on the CPU up front (`_validate_device`), compiled or not;
+    its eager (reference, dense) backward runs fine there. Lifting the refusal lets the CPU check that the
+    BlockMask and llmtrain's wiring give the right gradients; the GPU's compiled backward kernel is torch's."""
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_validate_device", lambda query, key, value: None)
+
+
+def test_flex_attention_trains_like_segment_attention(tokenizer, flex_backward_on_cpu):
+    """One FlexAttention kernel per layer with the batch's BlockMask: the loss and every gradient of sdpa per
+    sample, dropout off, 2 packed rows with padding, eager."""
+    samples = parity_samples(tokenizer)
+    rows = [merge_packed(samples[:3]), merge_packed(samples[3:])]
+    grads = {}
+    for attention in ("sdpa_segments", "flex_segments"):
+        model = tiny_llama(attention).train()
+        batch = collate(rows, pad_token_id=tokenizer.eos_token_id).for_attention(attention)
+        loss = lm_loss_sum(model(**batch.model_inputs()).logits, batch.labels) / batch.num_targets
+        loss.backward()
+        grads[attention] = (loss.detach(), [p.grad for p in model.parameters()])
+    (segment_loss, segment_grads), (flex_loss, flex_grads) = grads["sdpa_segments"], grads["flex_segments"]
+    assert torch.allclose(flex_loss, segment_loss, atol=1e-5, rtol=0)
+    for segment, flex in zip(segment_grads, flex_grads):
+        assert torch.allclose(flex, segment, atol=1e-5, rtol=1e-5)
