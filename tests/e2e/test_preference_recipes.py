@@ -35,7 +35,7 @@ def test_rm_tiny_separates_easy_negatives(rm_run):
     assert evals[-1]["eval_accuracy"] >= 0.95, evals[-1]
     assert 0 <= evals[-1]["eval_accuracy_hard"] <= 1  # reported, no threshold
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert all(r["pairs"] == 32 for r in train)
+    assert all(r["pairs"] == 64 for r in train)
 
 
 def test_exported_reward_model_scores_like_the_stage_in_transformers(rm_run):
