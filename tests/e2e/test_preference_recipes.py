@@ -85,8 +85,8 @@ def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
     assert evals[0]["step"] == 0 and abs(evals[0]["eval_loss"] - math.log(2)) < 1e-6
     assert evals[0]["eval_reward_accuracy"] == 0  # policy == reference: every implied reward is 0
     assert evals[-1]["eval_reward_accuracy"] >= 0.8, evals[-1]
-    rows = [json.loads(line) for line in (REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines()[:64]]
+    rows = [json.loads(line) for line in (REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines()]
     base = yaml.safe_load((dpo_run / "config.yaml").read_text())["model"]["name_or_path"]  # the sft_tiny export
     before, after = greedy_exact_match(base, rows), greedy_exact_match(dpo_run / "hf", rows)
-    print(f"greedy exact match on 64 held-out reversals: {before:.3f} (sft_tiny) -> {after:.3f} (dpo_tiny)")
+    print(f"greedy exact match on the 256 held-out reversals: {before:.3f} (sft_tiny) -> {after:.3f} (dpo_tiny)")
     assert after >= before - 0.1, (before, after)
