@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from llmtrain.config import ConfigError
@@ -53,7 +54,10 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
-        print(usage())
+        try:
+            print(usage(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; say nothing more
+            sys.stdout = open(os.devnull, "w")
         return 0
     from llmtrain.compose import compose_config
     from llmtrain.data.errors import DataConfigError

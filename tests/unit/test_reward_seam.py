@@ -152,3 +152,15 @@ def test_pair_stage_config_errors_name_the_field(overrides, message):
     cfg = compose_config(["recipe=sft_tiny", "data=reverse_prefs", *overrides])
     problems = config_problems(cfg, world_size=1)
     assert any(message in p for p in problems), problems
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "reward", "dpo"])
+def test_planner_roles_agree_with_the_stages(stage):
+    """The planner's role table (read before any stage exists) is what each built stage declares."""
+    from llmtrain.stages import build_stage, stage_roles
+
+    data = {"pretrain": "data=grammar", "sft": "data=reverse", "reward": "data=reverse_prefs",
+            "dpo": "data=reverse_prefs_easy"}[stage]
+    cfg = compose_config(["recipe=sft_tiny", f"stage={stage}", data, "data.packing=false"])
+    built = build_stage(cfg, load_tokenizer(str(TOKENIZER_DIR), False), "sdpa_segments")
+    assert {role: spec.trainable for role, spec in built.roles.items()} == stage_roles(stage)
