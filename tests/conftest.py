@@ -67,3 +67,25 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+
+def worker_exit_codes(stderr: str) -> list[int]:
+    """The workers' exit codes in torchrun's failure report (the first to exit, and any it saw fail before it
+    stopped the others; a worker torchrun stopped shows -15)."""
+    import re
+
+    return [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+
+
+def assert_stopped_nonfinite(result: subprocess.CompletedProcess, *, nproc: int, step: int) -> None:
+    """A run stopped by the non-finite rule: every rank printed the message naming the step, and exited with 3
+    (one process: the exit code itself; under torchrun: the failure report, where a rank stopped by torchrun
+    after the first one exited shows SIGTERM)."""
+    for rank in range(nproc):
+        assert f"llmtrain: stopped on rank {rank}: step {step}: " in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("is not finite; all ranks stop here") == nproc, result.stderr[-3000:]
+    if nproc == 1:
+        assert result.returncode == 3, result.stderr[-3000:]
+        return
+    codes = worker_exit_codes(result.stderr)
+    assert result.returncode != 0 and 3 in codes and set(codes) <= {3, -15}, (codes, result.stderr[-3000:])

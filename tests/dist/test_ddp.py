@@ -1,10 +1,14 @@
-"""DDP under torchrun (gloo): 2 ranks × micro b equals 1 process × 2b, and bitwise resume (1 and 2 ranks).
+"""DDP under torchrun (gloo): 2 ranks × micro b equals 1 process × 2b, gradient accumulation changes nothing,
+and bitwise resume (1 and 2 ranks).
 
-Every run loads the same saved tiny model folder. Parity compares loss and grad norm per step
-(grad norm catches a gradient-scale bug that Adam would hide in the loss).
+Every run loads the same saved tiny model folder, and runs once per module (`runs`), serving every test that
+reads it. Parity compares loss and grad norm per step (grad norm catches a gradient-scale bug that Adam would
+hide in the loss).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -27,41 +31,87 @@ def assert_close_series(ours, reference, key, first_rel, rel):
         assert abs(a[key] - b[key]) <= tolerance * abs(b[key]), f"step {i + 1} {key}: {a[key]} vs {b[key]}"
 
 
-def test_ddp_two_ranks_match_one_process(tiny_model_dir, tmp_path):
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    eval_file = tmp_path / "eval.jsonl"  # 9 samples: not divisible by 2 ranks or by the eval batch of 4
-    eval_file.write_text("".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
-    common = ["trainer.max_steps=10", "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=0",
-              f"data.eval_files=[{eval_file}]", "trainer.eval_every_n_steps=5", "trainer.eval_batch_size=4"]
-    assert_ok(run_cli(base_args(tiny_model_dir, single, *common, "trainer.micro_batch_size=8")))
-    assert_ok(run_cli(base_args(tiny_model_dir, ddp, *common, "trainer.micro_batch_size=4",
-                                "trainer.global_batch_size=16"), nproc=2))
-    reference, ours = read_metrics(single)[0], read_metrics(ddp)[0]
+# 10 steps of global batch 16 in fp32, dropout 0, eval at steps 0, 5, 10 on 9 held-out samples (not divisible by 2
+# ranks or by the eval batch of 4); EVAL_FILE is written by the `runs` fixture.
+EVAL_FILE = "eval.jsonl"
+PARITY = ["trainer.max_steps=10", "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=0",
+          f"data.eval_files=[{{root}}/{EVAL_FILE}]", "trainer.eval_every_n_steps=5", "trainer.eval_batch_size=4"]
+
+
+def resume_args(nproc: int) -> list[str]:
+    """12 steps, accumulation 2, dropout 0.1, saved at step 6."""
+    return ["trainer.max_steps=12", "trainer.grad_accum_steps=2", f"trainer.micro_batch_size={8 // nproc}",
+            "model.dropout=0.1", "trainer.save_every_n_steps=6", "trainer.keep_last_k=3"]
+
+
+RUNS = {  # name -> (nproc, overrides)
+    "single": (1, [*PARITY, "trainer.micro_batch_size=8"]),
+    "ddp": (2, [*PARITY, "trainer.micro_batch_size=4", "trainer.global_batch_size=16"]),
+    "single_accum16": (1, [*PARITY, "trainer.micro_batch_size=1", "trainer.grad_accum_steps=16"]),
+    "straight_1": (1, resume_args(1)),
+    "straight_2": (2, resume_args(2)),
+}
+
+
+class Runs:
+    """Each named run once, on first use (a failed run fails every test that needs it)."""
+
+    def __init__(self, root: Path, model_dir: Path):
+        self.root, self.model_dir, self.done = root, model_dir, {}
+        (root / EVAL_FILE).write_text(
+            "".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
+
+    def __call__(self, name: str) -> Path:
+        if name not in self.done:
+            nproc, args = RUNS[name]
+            args = [arg.replace("{root}", str(self.root)) for arg in args]
+            self.done[name] = run_cli(base_args(self.model_dir, self.root / name, *args), nproc=nproc)
+        assert_ok(self.done[name])
+        return self.root / name
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("ddp"), tiny_model_dir)
+
+
+def test_ddp_two_ranks_match_one_process(runs):
+    reference, ours = read_metrics(runs("single"))[0], read_metrics(runs("ddp"))[0]
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
     assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-5)
     assert reference[-1]["loss"] < reference[0]["loss"]
     # every held-out sample counted exactly once across ranks: same tokens, same loss
-    eval_reference, eval_ours = read_metrics(single)[1], read_metrics(ddp)[1]
+    eval_reference, eval_ours = read_metrics(runs("single"))[1], read_metrics(runs("ddp"))[1]
     assert [e["step"] for e in eval_ours] == [0, 5, 10]
     assert [e["eval_tokens"] for e in eval_ours] == [e["eval_tokens"] for e in eval_reference]
     assert_close_series(eval_ours, eval_reference, "eval_loss", 1e-6, 1e-5)
 
 
+def test_accumulation_does_not_change_the_step(runs):
+    """One process: 16 micro-batches of 1 row (no padding) per step equal 2 of 8 rows, loss and grad norm of
+    every step to 1e-6 relative, and the eval losses after training too."""
+    reference, ours = read_metrics(runs("single"))[0], read_metrics(runs("single_accum16"))[0]
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
+    assert_close_series(ours, reference, "loss", 1e-6, 1e-6)
+    assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-6)
+    assert_close_series(read_metrics(runs("single_accum16"))[1], read_metrics(runs("single"))[1], "eval_loss", 1e-6, 1e-6)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_bitwise_resume(tiny_model_dir, tmp_path, nproc):
+def test_bitwise_resume(runs, tmp_path, nproc):
     """12 steps straight vs the same run's step-6 checkpoint resumed in a fresh process: identical losses.
     Accumulation 2, dropout 0.1, mid-epoch; the resumed half also uses 2 data workers."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ["trainer.max_steps=12", "trainer.grad_accum_steps=2", f"trainer.micro_batch_size={8 // nproc}",
-              "model.dropout=0.1", "trainer.save_every_n_steps=6", "trainer.keep_last_k=3"]
-    assert_ok(run_cli(base_args(tiny_model_dir, straight, *common), nproc=nproc))
-    assert_ok(run_cli(base_args(tiny_model_dir, resumed, *common, f"resume={straight}/checkpoints/step_6",
+    straight, resumed = runs(f"straight_{nproc}"), tmp_path / "resumed"
+    assert_ok(run_cli(base_args(runs.model_dir, resumed, *resume_args(nproc), f"resume={straight}/checkpoints/step_6",
                                 "data.num_workers=2"), nproc=nproc))
     reference = read_metrics(straight)[0]
     continued = read_metrics(resumed)[0]
     assert [r["step"] for r in continued] == list(range(7, 13))
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[6:]]
     assert [r["grad_norm"] for r in continued] == [r["grad_norm"] for r in reference[6:]]
-    # dropout is really on: the same step without dropout would give another loss
-    assert len({r["loss"] for r in reference}) == 12
+    # dropout is really on: step 1 of the parity run (dropout 0: the same weights, batch, lr and layout) has
+    # another loss (dropout 0.1 moves it by ~4e-4 relative; two runs of one config agree exactly)
+    without_dropout = read_metrics(runs("single" if nproc == 1 else "ddp"))[0][0]
+    assert without_dropout["tokens"] == reference[0]["tokens"] and without_dropout["lr"] == reference[0]["lr"]
+    assert abs(without_dropout["loss"] - reference[0]["loss"]) > 1e-5 * reference[0]["loss"]

@@ -1,5 +1,6 @@
 """DeepSpeed under torchrun (gloo, 2 CPU ranks): parity with DDP for ZeRO-0/1/2/3 and ZeRO-3 + CPU offload,
-bitwise resume, export round trip, 2 -> 1 reshard, model-state bytes, bad configs, NVMe offload.
+accumulation-independence (DDP and ZeRO-2), bitwise resume (ZeRO-0 to 3), the ZeRO-1 <-> 2 switch on resume,
+export round trip, 2 -> 1 reshard, model-state bytes, the non-finite stop, bad configs, NVMe offload.
 
 Runs are grouped: each configuration below runs once (on first use) and serves several tests. Every run
 loads the same saved tiny model, trains 12 steps of global batch 16 (micro 4 × accumulation 2 × 2 ranks)
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_ok, read_metrics, run_cli
+from tests.conftest import assert_ok, assert_stopped_nonfinite, read_metrics, run_cli
 from tests.dist.test_ddp import assert_close_series, base_args
 
 pytestmark = pytest.mark.dist
@@ -32,6 +33,9 @@ RUNS = {  # name -> (nproc, overrides); "ddp*" are the references
     "zero2": (2, ["backend=zero2"]),
     "zero3": (2, ["backend=zero3"]),  # "auto" sizes: persistence threshold 10·h = 640, so ZeRO-3 partitions
     "zero3_offload": (2, ["backend=zero3_offload", *PACKED]),  # every matrix of the tiny model
+    # the same global batch 16 without accumulation (micro 8 × 1 × 2 ranks): equal to "ddp" / "zero2"
+    "ddp_accum1": (2, ["trainer.micro_batch_size=8", "trainer.grad_accum_steps=1"]),
+    "zero2_accum1": (2, ["backend=zero2", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1"]),
 }
 REFERENCE = {name: "ddp_packed" if "data.packing=true" in args else "ddp" for name, (_, args) in RUNS.items()}
 
@@ -72,7 +76,18 @@ def test_parity_with_ddp(runs, name):
     assert zero.get("use_multi_rank_bucket_allreduce") is (False if name in ("zero1", "zero2") else None)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_accumulation_does_not_change_the_step(runs, name):
+    """Micro 8 × accumulation 1 equals micro 4 × accumulation 2 (2 ranks, global batch 16): loss and grad norm of
+    every step to 1e-6 relative, the lr exactly."""
+    reference, ours = read_metrics(runs(name))[0], read_metrics(runs(f"{name}_accum1"))[0]
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
+    assert [r["lr"] for r in ours] == [r["lr"] for r in reference]
+    assert_close_series(ours, reference, "loss", 1e-6, 1e-6)
+    assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
 def test_bitwise_resume(runs, name):
     """12 steps straight vs the step-6 checkpoint resumed in fresh processes (2 data workers): identical."""
     straight = runs(name)
@@ -83,6 +98,22 @@ def test_bitwise_resume(runs, name):
     assert [r["grad_norm"] for r in continued] == [r["grad_norm"] for r in reference[6:]]
     engine = straight / "checkpoints" / "step_6" / "engines" / "policy"
     assert (engine / "ds").is_dir() and (straight / "checkpoints" / "step_6" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("saved,resumed", [("zero1", "zero2"), ("zero2", "zero1")])
+def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed):
+    """A ZeRO-1 checkpoint continues under ZeRO-2 and back (same 2 ranks, through the universal checkpoint):
+    weights, Adam moments and schedule survive, so steps 7-12 match the uninterrupted run to 1e-5."""
+    straight = runs(saved)
+    switched = runs(f"{saved}_as_{resumed}", f"resume={straight}/checkpoints/step_6", f"backend={resumed}", base=saved)
+    reference, continued = read_metrics(straight)[0], read_metrics(switched)[0]
+    assert [r["step"] for r in continued] == list(range(7, 13))
+    assert [r["lr"] for r in continued] == [r["lr"] for r in reference[6:]]
+    assert_close_series(continued, reference[6:], "loss", 1e-5, 1e-5)
+    assert_close_series(continued, reference[6:], "grad_norm", 1e-5, 1e-5)
+    config = json.loads((switched / "deepspeed_config.json").read_text())
+    assert config["zero_optimization"]["stage"] == int(resumed[-1])
+    assert f"saved with ZeRO-{saved[-1]} on 2 dp ranks, this run is ZeRO-{resumed[-1]} on 2" in runs.done[switched.name].stderr
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
@@ -171,21 +202,47 @@ def test_bad_configs_fail_on_every_rank_within_seconds(tmp_path):
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_nvme_offload_to_a_folder(runs, tmp_path):
-    """With libaio (CI installs libaio-dev) ZeRO-3 offloads optimizer state and parameters to a folder and
-    matches DDP; without it the run stops before the model loads and says why."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+def test_nonfinite_loss_stops_every_rank(runs, tmp_path):
+    """fp32, lr 1e30: step 1's update makes the weights overflow, step 2's loss is NaN; every rank says so and
+    exits with code 3 (torchrun reports the first rank to exit and stops the other), nothing is saved."""
+    result = run_cli(base_args(runs.model_dir, tmp_path / "run", *COMMON, "backend=zero2", "optim.lr=1e30",
+                               "optim.warmup_steps=0", "optim.max_grad_norm=0", "trainer.max_steps=4"), nproc=2)
+    assert_stopped_nonfinite(result, nproc=2, step=2)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")[0]] == [1]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
-    nvme = tmp_path / "nvme"
+
+def nvme_args(nvme: Path) -> list[str]:
     nvme.mkdir()
-    args = [f"backend.offload_optimizer.nvme_path={nvme}", f"backend.offload_param.nvme_path={nvme}",
+    return [f"backend.offload_optimizer.nvme_path={nvme}", f"backend.offload_param.nvme_path={nvme}",
             "backend.offload_optimizer.device=nvme", "backend.offload_param.device=nvme", "trainer.max_steps=4",
             "trainer.save_every_n_steps=0"]
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        result = run_cli(base_args(runs.model_dir, tmp_path / "run", *COMMON, "backend=zero3", *args), nproc=2)
-        assert result.returncode != 0 and "async_io op, which cannot build here" in result.stderr
-        return
-    run_dir = runs("zero3_nvme", *args, base="zero3")
+
+
+def async_io_builds() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+def test_nvme_offload_without_libaio_stops_and_says_why(runs, tmp_path):
+    """Without libaio the run stops before the model loads and names the missing op."""
+    if async_io_builds():
+        pytest.skip("DeepSpeed's async_io op builds here (libaio is installed): the NVMe offload test runs instead")
+    result = run_cli(base_args(runs.model_dir, tmp_path / "run", *COMMON, "backend=zero3",
+                               *nvme_args(tmp_path / "nvme")), nproc=2)
+    assert result.returncode != 0 and "async_io op, which cannot build here" in result.stderr
+    assert "Loading weights" not in result.stderr + result.stdout
+
+
+def test_nvme_offload_to_a_folder(runs, tmp_path):
+    """With libaio (CI installs libaio-dev) ZeRO-3 offloads optimizer state and parameters to a folder and
+    matches DDP."""
+    if not async_io_builds():
+        pytest.skip("DeepSpeed's AsyncIOBuilder is not compatible here (libaio missing: apt-get install libaio-dev), "
+                    "so NVMe offload cannot run")
+    nvme = tmp_path / "nvme"
+    run_dir = runs("zero3_nvme", *nvme_args(nvme), base="zero3")
     assert any((nvme / "zero_stage_3").rglob("*")), "nothing was swapped to the NVMe folder"
     reference, ours = read_metrics(runs("ddp"))[0][:4], read_metrics(run_dir)[0]
     assert_close_series(ours[:2], reference[:2], "loss", 1e-6, 1e-5)  # same lr for the 2 warm-up steps

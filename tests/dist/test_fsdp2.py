@@ -3,8 +3,11 @@ tiny model folder, fp32, global batch 16 = micro × grad accumulation 2 × dp.
 
 - parity: loss AND grad norm of each of 10 steps within 1e-5 relative of DDP (the first within 1e-6);
   the grad norm catches a gradient-scale error (sum instead of average) that Adam hides in the loss.
-- resume: the parity runs save at step 5; resuming there on the same topology is bitwise, resuming a
-  dp=2 checkpoint at dp=1 and at dp=2 × tp=2 continues within the parity tolerance.
+- accumulation: micro 8 × accumulation 1 equals micro 4 × accumulation 2 (1e-6).
+- resume: the parity runs save at step 5; resuming there on the same topology is bitwise (dp=2, tp=2, HSDP
+  2 × 2, dp=2 × tp=2), resuming a dp=2 checkpoint at dp=1 and at dp=2 × tp=2 continues within the parity
+  tolerance.
+- a non-finite loss stops every rank with exit code 3.
 - a worker (this file under torchrun) checks what the CLI cannot show: a dp=2 checkpoint loaded at
   tp=2 holds exactly the saved weights, the consolidated HF export gives the sharded model's logits,
   and the per-rank model-state bytes match ZeRO-3's 16·M/N.
@@ -25,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli, save_tiny_model
+from tests.conftest import (PYTHON, REPO, TOKENIZER_DIR, assert_ok, assert_stopped_nonfinite, cli_env, read_metrics,
+                            run_cli, save_tiny_model)
 
 pytestmark = pytest.mark.dist
 
@@ -37,6 +41,7 @@ CONTENDERS = {
     "dp2_tp2": (4, 4, ["backend=fsdp2_tp"]),  # dp 2 × tp 2
     "hsdp": (4, 2, ["backend=fsdp2", "backend.dp_replicate=2"]),  # 2 replicas × 2 shards
     "dp1": (1, 8, ["backend=fsdp2"]),
+    "fsdp2_accum1": (2, 8, ["backend=fsdp2", "trainer.grad_accum_steps=1"]),  # no accumulation: equal to "fsdp2"
 }
 PARITY = [("llama", "fsdp2"), ("llama", "fsdp2_tp"), ("llama", "dp2_tp2"), ("llama", "hsdp"),
           ("qwen2", "fsdp2_tp"), ("qwen2", "dp2_tp2")]  # qwen2: GQA + q/k/v biases, which TP splits
@@ -108,7 +113,17 @@ def resume(runs: Runs, source: str, name: str, tmp_path: Path) -> tuple[list[dic
     return read_metrics(straight)[0][5:], continued
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp"])
+def test_accumulation_does_not_change_the_step(runs):
+    """Micro 8 × accumulation 1 equals micro 4 × accumulation 2 on 2 FSDP2 ranks: loss and grad norm of every step
+    to 1e-6 relative."""
+    reference, ours = read_metrics(runs.get("llama", "fsdp2"))[0], read_metrics(runs.get("llama", "fsdp2_accum1"))[0]
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
+    assert [r["lr"] for r in ours] == [r["lr"] for r in reference]
+    assert_close_series(ours, reference, "loss", 1e-6, 1e-6)
+    assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp", "hsdp", "dp2_tp2"])
 def test_bitwise_resume_same_topology(runs, tmp_path, name):
     reference, continued = resume(runs, name, name, tmp_path)
     for key in ("loss", "grad_norm", "lr"):
@@ -149,6 +164,16 @@ def test_resharded_load_export_and_bytes(runs, tmp_path):
     assert exported.keys() == saved.keys()
     for key, tensor in saved.items():
         assert torch.equal(exported[key], tensor), key
+
+
+def test_nonfinite_loss_stops_every_rank(tiny_model_dir, tmp_path):
+    """fp32, lr 1e30: step 1's update makes the weights overflow, step 2's loss is NaN; every rank says so and
+    exits with code 3 (torchrun reports the first rank to exit and stops the other), nothing is saved."""
+    args, nproc = contender_args("fsdp2", tiny_model_dir, tmp_path / "run", "optim.lr=1e30", "optim.warmup_steps=0",
+                                 "optim.max_grad_norm=0", "trainer.max_steps=4")
+    assert_stopped_nonfinite(run_cli(args, nproc=nproc), nproc=nproc, step=2)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")[0]] == [1]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("model_type,nproc,overrides,needles", [

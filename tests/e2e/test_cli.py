@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_ok, cli_env, read_metrics, run_cli
+from tests.conftest import REPO, assert_ok, assert_stopped_nonfinite, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -86,16 +87,46 @@ def test_hf_export_reloads_with_identical_logits(wandb_run):
     assert not torch.equal(initial.lm_head.weight, exported.lm_head.weight)
 
 
-def test_fp16_with_loss_scaler_tracks_fp32(wandb_run, tmp_path):
-    """precision=fp16: autocast + dynamic loss scaling; the scaler's state is checkpointed."""
-    result = run_cli([*TINY, "trainer.max_steps=2", "trainer.eval_every_n_steps=0", "precision=fp16",
-                      f"output_dir={tmp_path}"])
-    assert_ok(result)
-    fp16, fp32 = read_metrics(tmp_path)[0], read_metrics(wandb_run)[0][:2]
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory) -> Path:
+    """2 steps of precision=fp16 (autocast + dynamic loss scaling), checkpointed at step 2."""
+    run_dir = tmp_path_factory.mktemp("fp16") / "run"
+    assert_ok(run_cli([*TINY, "trainer.max_steps=2", "trainer.eval_every_n_steps=0", "precision=fp16",
+                       f"output_dir={run_dir}"]))
+    return run_dir
+
+
+def test_fp16_with_loss_scaler_tracks_fp32(wandb_run, fp16_run):
+    """precision=fp16 tracks fp32 to 1 %; the scaler's state is checkpointed."""
+    fp16, fp32 = read_metrics(fp16_run)[0], read_metrics(wandb_run)[0][:2]
     for a, b in zip(fp16, fp32):
         assert a["loss"] != b["loss"] and abs(a["loss"] - b["loss"]) < 1e-2 * b["loss"]
-    scaler = torch.load(tmp_path / "checkpoints" / "step_2" / "engines" / "policy" / "scaler.pt", weights_only=True)
-    assert scaler["scale"] > 1.0
+    scaler = torch.load(fp16_run / "checkpoints" / "step_2" / "engines" / "policy" / "scaler.pt", weights_only=True)
+    assert scaler["scale"] == 2.0 ** 16  # torch's initial scale: no overflow, and 2 steps are no growth interval
+
+
+def test_fp16_overflow_is_skipped_by_the_scaler_and_its_scale_resumes(fp16_run, tmp_path):
+    """The step-2 fp16 checkpoint with its loss scale raised to 2**40: the resumed run must start from that scale
+    (a fresh scaler's 2**16 would not overflow), so the scaled gradients overflow in fp16, the scaler skips the
+    update (the weights and Adam's state stay those of step 2) and halves its scale, and training continues."""
+    step_2 = tmp_path / "poisoned" / "checkpoints" / "step_2"
+    shutil.copytree(fp16_run / "checkpoints" / "step_2", step_2)
+    saved = step_2 / "engines" / "policy"
+    scaler = torch.load(saved / "scaler.pt", weights_only=True)
+    torch.save({**scaler, "scale": 2.0 ** 40}, saved / "scaler.pt")
+    run_dir = tmp_path / "resumed"
+    assert_ok(run_cli([*TINY, "trainer.eval_every_n_steps=0", "precision=fp16", "trainer.max_steps=3",
+                       f"output_dir={run_dir}", f"resume={step_2}"]))
+    (step_3,) = read_metrics(run_dir)[0]
+    assert step_3["step"] == 3 and math.isfinite(step_3["loss"]) and not math.isfinite(step_3["grad_norm"])
+    assert step_3["skipped_steps"] == 0  # the scaler's own skip, not trainer.skip_nonfinite's
+    after = run_dir / "checkpoints" / "step_3" / "engines" / "policy"
+    assert torch.load(after / "scaler.pt", weights_only=True)["scale"] == 2.0 ** 39
+    weights_before, weights_after = (torch.load(d / "model.pt", weights_only=True) for d in (saved, after))
+    assert all(torch.equal(weights_after[name], tensor) for name, tensor in weights_before.items())
+    adam_before, adam_after = (torch.load(d / "optimizer.pt", weights_only=True)["state"] for d in (saved, after))
+    assert all(torch.equal(adam_after[i]["exp_avg"], state["exp_avg"]) and adam_after[i]["step"] == state["step"]
+               for i, state in adam_before.items())
 
 
 def tree_digest(directory: Path) -> str:
@@ -141,7 +172,14 @@ def test_dry_run_of_a_7b_recipe_loads_nothing(tmp_path):
     assert f"{expected / 1e6:,.1f}M parameters" in result.stdout
     assert "global batch 16 rows = micro_batch_size 4 × grad_accum_steps 4 × dp 1" in result.stdout
     assert time.time() - start < 60 and not (tmp_path / "runs").exists()
-    assert_ok(run_cli(["recipe=pretrain_7b", "dry_run=true"], cwd=tmp_path))
+    result = run_cli(["recipe=pretrain_7b", "dry_run=true"], cwd=tmp_path)
+    assert_ok(result)
+    for line in ("recipe pretrain_7b: stage pretrain, backend deepspeed, precision fp32 on cpu, world 1",
+                 f"model meta-llama/Llama-2-7b-hf: {expected / 1e6:,.1f}M parameters (L=32, h=4096, heads=32, vocab=32000)",
+                 "global batch 32 rows = micro_batch_size 2 × grad_accum_steps 16 × dp 1 (≤ 131072 tokens at max_seq_len 4096)",
+                 "5000 steps, output_dir runs/pretrain_7b"):
+        assert line in result.stdout.splitlines(), (line, result.stdout)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_bad_config_fails_on_every_rank_within_seconds(tmp_path):
@@ -165,8 +203,7 @@ def test_non_finite_loss_stops_all_ranks_or_is_skipped(tmp_path):
     blow_up = [*TINY, "trainer.eval_every_n_steps=0", "optim.lr=1e30", "optim.warmup_steps=0",
                "optim.max_grad_norm=0", "trainer.max_steps=4"]
     stopped = run_cli([*blow_up, f"output_dir={tmp_path / 'a'}"], nproc=2)
-    assert stopped.returncode != 0 and "not finite" in stopped.stderr
-    assert stopped.stderr.count("stopped on rank") == 2
+    assert_stopped_nonfinite(stopped, nproc=2, step=2)
     skipped = run_cli([*blow_up, "trainer.skip_nonfinite=true", f"output_dir={tmp_path / 'b'}"])
     assert_ok(skipped)
     train = read_metrics(tmp_path / "b")[0]
@@ -183,10 +220,25 @@ def test_installed_package_runs_from_anywhere(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     env = cli_env(PYTHONPATH=str(target))
+    imported = subprocess.run([sys.executable, "-c", "import llmtrain; print(llmtrain.__file__)"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert imported.stdout.strip() == str(target / "llmtrain" / "__init__.py")  # the wheel's copy, not the repo
     result = subprocess.run([sys.executable, "-m", "llmtrain", "recipe=sft_tiny", "dry_run=true"], env=env,
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert_ok(result)
-    assert str(target) in result.stdout or "sft_tiny" in result.stdout
+    # the plan of the shipped recipe: 2-layer Llama, h=128, GQA 4/2 heads, MLP 384, vocab 263, untied, by hand
+    h, kv, mlp, vocab = 128, 64, 384, 263
+    params = 2 * (2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h) + 2 * vocab * h + h
+    assert result.stdout.splitlines() == [
+        "recipe sft_tiny: stage sft, backend ddp, precision fp32 on cpu, world 1",
+        f"model llama: {params / 1e6:,.1f}M parameters (L=2, h=128, heads=4, vocab=263)",
+        "training FLOPs ≈ 6·M + 12·L·h·s = 3.0 MFLOP per token at s=64",
+        f"model states (fp32 Adam, ddp, sharding as ZeRO stage 0, dp 1) ≈ {16 * params / 2 ** 20:.1f} MiB per rank per "
+        "trainable role (activations not included)",
+        "roles: policy (trainable)",
+        "global batch 32 rows = micro_batch_size 32 × grad_accum_steps 1 × dp 1 (≤ 2048 tokens at max_seq_len 64)",
+        "500 steps, output_dir runs/sft_tiny"]
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
     assert (target / "llmtrain" / "_recipes" / "sft_7b.yaml").is_file()
     assert (target / "llmtrain" / "assets" / "tokenizer" / "tokenizer.json").is_file()
 
