@@ -76,6 +76,16 @@ def test_ddp_checkpoint_holds_the_adapters_only(runs):
     assert len(state) == 2 * 14  # A and B of q, k, v, o, gate, up, down in 2 layers
 
 
+def test_fsdp2_checkpoint_holds_the_adapter_shards_only(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp_dir = runs("fsdp2") / "checkpoints" / "step_3" / "engines" / "policy" / "dcp"
+    keys = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert len(model_keys) == 2 * 14 and all("lora_" in k for k in model_keys)
+    assert len(list(dcp_dir.glob("*.distcp"))) == 2  # one shard file per rank
+
+
 def test_exports_are_equal_across_backends_and_load(runs, tiny_model_dir):
     """adapter/ loads with PeftModel.from_pretrained(base, adapter); hf/ (merged) gives the same logits, and
     every backend exports the same weights to 1e-5."""

@@ -50,3 +50,24 @@ def test_merged_export_equals_the_adapted_model(lora_run):
     ids = torch.tensor([tokenizer("reverse: hello\nolleh").input_ids])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-4)
+
+
+def test_reward_and_dpo_take_lora(tmp_path):
+    """peft=lora on the pair stages (3 steps each from ${base:sft_tiny}): the reward model trains its new score
+    head in full next to the adapters and exports a sequence classifier; DPO's frozen reference is the plain
+    base, so step 1's loss is ln 2 (B = 0: policy = reference)."""
+    import math
+
+    from transformers import AutoModelForSequenceClassification
+
+    short = ["peft=lora", "trainer.max_steps=3", "trainer.eval_every_n_steps=3", "trainer.eval_batch_size=64"]
+    rm, dpo = tmp_path / "rm", tmp_path / "dpo"
+    result = run_cli(["recipe=rm_tiny", *short, f"output_dir={rm}"], timeout=600)
+    assert_ok(result)
+    assert "Σ r·(d_in + d_out) over 14 adapted matrices = 38912, modules_to_save 128" in result.stderr
+    assert "39040 trainable parameters" in result.stderr
+    AutoModelForSequenceClassification.from_pretrained(rm / "hf", dtype=torch.float32)
+    assert (rm / "adapter" / "adapter_config.json").is_file()
+    assert_ok(run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600))
+    first = read_metrics(dpo)[0][0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0
