@@ -149,7 +149,16 @@ class DPOConfig:
 
 @dataclass
 class PeftConfig:
-    name: str = "none"
+    """peft=lora: low-rank adapters (the peft library) on the trainable roles; the base stays frozen."""
+    name: str = "none"  # none | lora
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # "all-linear" (every Linear but the output layer) or a list of module names (q_proj, v_proj, ...).
+    # Typed Any: OmegaConf has no str | list.
+    target_modules: Any = "all-linear"
+    # Modules trained in full next to the adapters; null: the stage decides (a reward model's score head).
+    modules_to_save: Optional[List[str]] = None
 
 
 @dataclass
@@ -185,7 +194,7 @@ CHOICES = {
     "backend.name": ("ddp", "deepspeed", "fsdp2"),
     "stage.name": ("pretrain", "sft", "reward", "dpo"),
     "dpo.loss": ("sigmoid", "ipo"),
-    "peft.name": ("none",),
+    "peft.name": ("none", "lora"),
 }
 SFT_FORMATS = ("prompt_response", "alpaca", "messages")
 PAIR_STAGES = ("reward", "dpo")
@@ -235,6 +244,40 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += _source_problems(cfg)
     problems += backend_config_problems(cfg.backend, world_size)
     problems += stage_problems(cfg)
+    problems += peft_problems(cfg.peft, cfg.backend)
+    return problems
+
+
+OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
+
+
+def peft_problems(peft: Any, backend: Any) -> list[str]:
+    """peft=lora's own fields, and the backends it does not run on yet; each line names the field and the fix."""
+    if peft.name != "lora":
+        return []
+    problems = []
+    if not peft.r >= 1:
+        problems.append(f"peft.r={peft.r} must be >= 1 (the adapters' rank; typical 8-64)")
+    if not peft.alpha > 0:
+        problems.append(f"peft.alpha={peft.alpha} must be > 0 (the adapters' scale is alpha / r; typical 2·r)")
+    if not 0 <= peft.dropout < 1:
+        problems.append(f"peft.dropout={peft.dropout} must be in [0, 1)")
+    targets = peft.target_modules
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            problems.append(f"peft.target_modules={targets!r} must be all-linear or a list of module names "
+                            "(peft.target_modules=[q_proj,v_proj])")
+    elif not targets or not all(isinstance(t, str) and t for t in targets):
+        problems.append(f"peft.target_modules={targets!r} must be all-linear or a non-empty list of module names")
+    elif any(t in OUTPUT_LAYERS for t in targets):
+        problems.append(f"peft.target_modules: {', '.join(OUTPUT_LAYERS)} is the output layer, which LoRA leaves "
+                        "alone: drop it from the list (or train it in full with peft.modules_to_save=[lm_head])")
+    if backend.name == "fsdp2" and backend.tp > 1:
+        problems.append(f"peft=lora with backend.tp={backend.tp}: the tensor-parallel plan does not map LoRA "
+                        "layers yet; use backend.tp=1 (backend=fsdp2)")
+    if backend.name == "deepspeed" and backend.zero_stage == 3:
+        problems.append("peft=lora with backend.zero_stage=3: not yet (merging and saving the adapters need the "
+                        "gathered weights); use backend=zero2, backend=fsdp2 or backend=ddp")
     return problems
 
 

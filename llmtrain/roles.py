@@ -16,6 +16,7 @@ import torch
 from llmtrain.backends.base import OptimizerSpec
 from llmtrain.config import ConfigError
 from llmtrain.models.load import build_model
+from llmtrain.models.lora import LoraSettings
 from llmtrain.stages.base import RoleSpec
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def check_same_data_parallel(layouts: dict[str, tuple[int, int]]) -> None:
 
 
 def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: ModelOptions, seed: int,
-                  optim: OptimizerSpec) -> dict:
+                  optim: OptimizerSpec, lora: LoraSettings | None = None) -> dict:
+    """`lora`: adapters on every trainable role (frozen roles stay plain: a reference is the base itself)."""
     engines = {}
     check_same_data_parallel({role: (backend.dims.dp_size, 0) for role in roles})
     for role, spec in roles.items():
@@ -49,7 +51,7 @@ def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: Model
                                 attn_implementation=options.attn_implementation, dropout=options.dropout,
                                 activation_checkpointing=options.activation_checkpointing and spec.trainable,
                                 trust_remote_code=src.trust_remote_code, head=spec.head, seed=seed,
-                                gather=backend.gathered_for_init)
+                                gather=backend.gathered_for_init, lora=lora if spec.trainable else None)
         engines[role] = backend.wrap(model, optim if spec.trainable else None)
         log.debug("role %s: %s, %s", role, type(model).__name__, "trainable" if spec.trainable else "frozen")
     check_same_data_parallel({role: (e.dp_size, e.dp_rank) for role, e in engines.items()})

@@ -19,6 +19,7 @@ from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import planned_model_state_bytes
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
+from llmtrain.models.lora import LoraSettings
 from llmtrain.models.load import count_parameters, load_tokenizer, model_config, resolve_attn_implementation
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
 from llmtrain.roles import ModelOptions, build_engines
@@ -163,7 +164,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
     engines = build_engines(stage.roles, backend, tokenizer,
-                            ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed, optimizer_spec(cfg))
+                            ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed, optimizer_spec(cfg),
+                            lora=LoraSettings.from_config(cfg.peft))
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

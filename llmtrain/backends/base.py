@@ -113,7 +113,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if param.requires_grad:
             shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the data is a 1-D shard, ds_shape the full
             (decay if len(shape) >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group is left out (LoRA trains matrices only): DeepSpeed's ZeRO optimizers drop it, and the
+    # scheduler would then step one lr more than there are groups.
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def build_adamw(model: torch.nn.Module, spec: OptimizerSpec, fused: bool = False) -> torch.optim.Optimizer:
@@ -181,6 +184,32 @@ class ScaledOptimizerSteps:
         if self._state_bytes is None and self.optimizer is not None and self.optimizer.state:
             self._state_bytes = {**local_state_bytes(list(self.model.parameters()), [], self.optimizer),
                                  "grads": self._grad_bytes}
+
+
+def has_frozen_params(model: torch.nn.Module) -> bool:
+    """True when part of a trainable model is frozen (peft=lora: the base); its checkpoints then hold only
+    the trainable parameters, and resume rebuilds the rest from the model's source (model.name_or_path or the
+    seeded init), exactly as a frozen role is rebuilt."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of a trainable model holds: everything, or with a frozen base its trainable params."""
+    if not has_frozen_params(model):
+        return model.state_dict()
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_hf(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, directory: Path) -> None:
+    """A Hugging Face folder from the full (gathered) state dict (None: the model's own, when it is whole).
+    A peft model writes the merged weights there and its adapters in peft format next to it (`adapter/`)."""
+    from llmtrain.models.lora import adapter_dir_for, is_peft, save_adapter_and_merged
+
+    if is_peft(model):
+        save_adapter_and_merged(model, model.state_dict() if state is None else state, directory,
+                                adapter_dir_for(directory))
+    else:
+        model.save_pretrained(directory, state_dict=state, safe_serialization=True)
 
 
 FROZEN_MARKER = "frozen.json"

@@ -13,12 +13,26 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_adamw,
-                                    build_scheduler, save_frozen)
+                                    build_scheduler, has_frozen_params, save_frozen, save_hf,
+                                    trainable_state_dict)
 from llmtrain.parallel import DistContext, ParallelDims
 
 
 def load_file(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_trainable(model: torch.nn.Module, state: dict) -> None:
+    """A checkpoint's weights into the model. With a frozen base (LoRA) the checkpoint holds the trainable
+    parameters only (the base was rebuilt from its source at start): exactly those keys, nothing missing."""
+    if not has_frozen_params(model):
+        model.load_state_dict(state)
+        return
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(state) != expected:
+        raise ValueError(f"checkpoint has {len(state)} tensors, the model {len(expected)} trainable parameters; "
+                         f"missing {sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]}")
+    model.load_state_dict(state, strict=False)
 
 
 class DDPEngine(ScaledOptimizerSteps):
@@ -73,7 +87,7 @@ class DDPEngine(ScaledOptimizerSteps):
             return
         if self.ctx.is_main:
             directory.mkdir(parents=True, exist_ok=True)
-            torch.save(self.model.state_dict(), directory / "model.pt")
+            torch.save(trainable_state_dict(self.model), directory / "model.pt")  # LoRA: the adapters only
             torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
             if self.scaler.is_enabled():
@@ -82,7 +96,7 @@ class DDPEngine(ScaledOptimizerSteps):
     def load_checkpoint(self, directory: Path) -> None:
         if not self.trainable:
             return  # rebuilt from its source at start: nothing of it changes in training
-        self.model.load_state_dict(load_file(directory / "model.pt"))
+        load_trainable(self.model, load_file(directory / "model.pt"))
         self.optimizer.load_state_dict(load_file(directory / "optimizer.pt"))
         self.scheduler.load_state_dict(load_file(directory / "scheduler.pt"))
         if self.scaler.is_enabled():
@@ -90,7 +104,7 @@ class DDPEngine(ScaledOptimizerSteps):
 
     def export_hf(self, directory: Path) -> None:
         if self.ctx.is_main:
-            self.model.save_pretrained(directory, safe_serialization=True)
+            save_hf(self.model, None, directory)
 
 
 class DDPBackend:

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.base import OptimizerSpec, build_adamw, build_scheduler, param_groups, save_frozen
+from llmtrain.backends.base import (OptimizerSpec, build_adamw, build_scheduler, has_frozen_params, param_groups,
+                                    save_frozen, save_hf)
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
 from llmtrain.config import ConfigError
+from llmtrain.models.lora import is_peft
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
 from llmtrain.parallel import DistContext, ParallelDims, barrier
 
@@ -268,7 +270,9 @@ class DeepSpeedEngine:
             save_frozen(directory, self.model, self.ctx.is_main)
             return
         directory.mkdir(parents=True, exist_ok=True)
-        self.ds.save_checkpoint(str(directory), tag=TAG, client_state={}, save_latest=True)
+        # A frozen base (LoRA) is not saved: resume rebuilds it from its source (backends/base.has_frozen_params).
+        self.ds.save_checkpoint(str(directory), tag=TAG, client_state={}, save_latest=True,
+                                exclude_frozen_parameters=has_frozen_params(self.model))
         if self.ctx.is_main:
             (directory / META).write_text(json.dumps({"zero_stage": self.stage, "dp_size": self.dp_size,
                                                       "precision": self.precision}, indent=1))
@@ -285,7 +289,7 @@ class DeepSpeedEngine:
         if meta["dp_size"] != self.dp_size or meta["zero_stage"] != self.stage:
             self._load_resharded(directory, meta)
             return
-        path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_module_strict=True,
+        path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_module_strict=not has_frozen_params(self.model),
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint with tag {TAG}")
@@ -369,8 +373,8 @@ class DeepSpeedEngine:
         masters = self.optimizer is not None and self.precision in ("bf16", "fp16")
         state = self.gathered_state_dict() if self.stage == 3 or masters else None
         if self.ctx.is_main:
-            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
-            if masters:  # save_pretrained writes the module's dtype; from_pretrained's default ("auto") follows it
+            save_hf(self.model, state, directory)
+            if masters and not is_peft(self.model):  # save_pretrained writes the module's dtype; from_pretrained's default ("auto") follows it
                 config = copy.deepcopy(self.model.config)
                 config.dtype = torch.float32
                 config.save_pretrained(directory)

@@ -48,8 +48,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler, param_groups,
-                                    save_frozen)
+from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler,
+                                    has_frozen_params, param_groups, save_frozen, save_hf)
+from llmtrain.models.lora import unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims
 
@@ -64,7 +65,7 @@ DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def apply_tp(model: torch.nn.Module, dims: ParallelDims, mesh) -> None:
     if dims.tp > 1:
-        apply_tp_plan(model, mesh["tp"], model.config)
+        apply_tp_plan(unwrap_peft(model), mesh["tp"], model.config)
 
 
 def apply_ac(model: torch.nn.Module) -> None:
@@ -87,7 +88,7 @@ def apply_fsdp(model: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh, *
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder layers (`base_model.layers` for Llama/Qwen2/Mistral, `.h` for GPT-2)."""
-    base = model.base_model
+    base = unwrap_peft(model).base_model  # a PeftModel's own base_model is peft's LoraModel
     for name in ("layers", "h", "blocks"):
         if isinstance(getattr(base, name, None), torch.nn.ModuleList):
             return list(getattr(base, name))
@@ -255,13 +256,20 @@ class FSDP2Engine(ScaledOptimizerSteps):
         return norm
 
     # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------
+    def _dcp_options(self) -> StateDictOptions:
+        """With a frozen base (LoRA) only the trainable shards are saved and loaded: resume rebuilds the base
+        from its source (backends/base.has_frozen_params)."""
+        if not has_frozen_params(self.model):
+            return DCP_OPTIONS
+        return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
     def save_checkpoint(self, directory: Path) -> None:
         """Sharded model + optimizer (DCP, loads into any mesh) and, from rank 0, scheduler/scaler."""
         if not self.trainable:
             save_frozen(directory, self.model, self.ctx.is_main)
             return
         directory.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer or (), options=DCP_OPTIONS)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer or (), options=self._dcp_options())
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory / "dcp")
         if self.ctx.is_main and self.scheduler is not None:
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
@@ -274,11 +282,12 @@ class FSDP2Engine(ScaledOptimizerSteps):
         if not (directory / "dcp").is_dir():
             raise FileNotFoundError(f"{directory} holds no FSDP2 checkpoint (dcp/): it was saved by another "
                                     "backend; resume with that backend or start from its Hugging Face export")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=DCP_OPTIONS)
+        options = self._dcp_options()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=directory / "dcp")  # in place, resharded to this mesh
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=DCP_OPTIONS)
+                       optim_state_dict=state["optimizer"], options=options)
         scheduler = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
         # The lr lambda is the same for every group, but the number of groups follows the mesh.
         groups = len(self.optimizer.param_groups)
@@ -302,7 +311,7 @@ class FSDP2Engine(ScaledOptimizerSteps):
             redistribute_log.setLevel(level)
         if self.ctx.is_main:
             # transformers strips the "FSDP" class prefix from config.architectures itself
-            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            save_hf(self.model, state, directory)
 
 
 class FSDP2Backend:

@@ -10,7 +10,7 @@ import contextlib
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
@@ -19,6 +19,9 @@ from llmtrain.config import ConfigError
 from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
 from llmtrain.models.flex import FLEX_ATTENTION, FLEX_IMPLEMENTATIONS, register_flex_attention
 from llmtrain.models.init import Gather, missing_modules, seeded_init
+
+if TYPE_CHECKING:
+    from llmtrain.models.lora import LoraSettings
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +161,16 @@ def auto_class(head: str):
 def build_model(*, name_or_path: str | None, from_config: dict | None, config_path: str | None,
                 tokenizer: Any, attn_implementation: str, dropout: float,
                 activation_checkpointing: bool, trust_remote_code: bool, head: str = "lm", seed: int = 0,
-                gather: Gather | None = None) -> torch.nn.Module:
+                gather: Gather | None = None, lora: "LoraSettings | None" = None) -> torch.nn.Module:
     """An fp32 model on the CPU (a causal LM, or with `head="scalar"` a one-label sequence classifier), its
     embeddings sized to the tokenizer.
 
     Random weights (from_config, or a head the checkpoint lacks) come from `seeded_init`: the same for a
     seed on every backend and world size. Under a `torch.device("meta")` context (FSDP2 on ranks other
     than 0) the same modules are built without storage and nothing is read: from_pretrained refuses meta,
-    so the architecture comes from the checkpoint's config; the backend fills the weights in later."""
+    so the architecture comes from the checkpoint's config; the backend fills the weights in later.
+    `lora`: peft's adapters on top (base frozen), added here so that they too are built inside the backend's
+    model_init_context (models/lora.py)."""
     config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer))
     set_dropout(config, dropout)
     config.use_cache = False
@@ -204,6 +209,10 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         model.config.pad_token_id = tokenizer.pad_token_id
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        from llmtrain.models.lora import apply_lora
+
+        model = apply_lora(model, lora, head=head, seed=seed, gather=gather)
     return model
 
 

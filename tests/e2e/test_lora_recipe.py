@@ -1,0 +1,73 @@
+"""`recipe=lora_sft_tiny` as a user runs it: LoRA adapters on a seeded random 2-layer Llama learn the reversal task
+(the thresholds the README states), and both exports reproduce the adapted model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import assert_ok, read_metrics, run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_sft_tiny")
+    assert_ok(run_cli(["recipe=lora_sft_tiny", f"output_dir={out}"], timeout=1200))
+    return out
+
+
+def test_lora_sft_tiny_learns(lora_run):
+    """Measured: eval loss 5.52 -> 4.68, accuracy 0.008 -> 0.32 (the frozen random output layer caps the logits'
+    scale, so the loss stays high); 77,824 trainable parameters = Σ r·(d_in + d_out), r 16, 14 matrices."""
+    train, evals = read_metrics(lora_run)
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 500
+    assert evals[-1]["eval_loss"] <= evals[0]["eval_loss"] - 0.6, (evals[0], evals[-1])
+    assert evals[-1]["eval_accuracy"] >= evals[0]["eval_accuracy"] + 0.25
+    checkpoint = lora_run / "checkpoints" / "step_500" / "engines" / "policy" / "model.pt"
+    state = torch.load(checkpoint, weights_only=True)
+    assert sum(t.numel() for t in state.values()) == 77_824
+
+
+def test_merged_export_equals_the_adapted_model(lora_run):
+    """The base rebuilt from the recipe's seed (the seeded init) + adapter/ = the adapted model; hf/ (merged) gives
+    its logits to 1e-4."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.models.load import build_model, load_tokenizer
+
+    config = yaml.safe_load((lora_run / "config.yaml").read_text())
+    m = config["model"]
+    tokenizer = load_tokenizer(m["tokenizer"], trust_remote_code=False)
+    base = build_model(name_or_path=None, from_config=m["from_config"], config_path=None, tokenizer=tokenizer,
+                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=False,
+                       trust_remote_code=False, seed=config["trainer"]["seed"])
+    adapted = PeftModel.from_pretrained(base, lora_run / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(lora_run / "hf", dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.tensor([tokenizer("reverse: hello\nolleh").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-4)
+
+
+def test_reward_and_dpo_take_lora(tmp_path):
+    """peft=lora on the pair stages (3 steps each from ${base:sft_tiny}): the reward model trains its new score
+    head in full next to the adapters and exports a sequence classifier; DPO's frozen reference is the plain
+    base, so step 1's loss is ln 2 (B = 0: policy = reference)."""
+    import math
+
+    from transformers import AutoModelForSequenceClassification
+
+    short = ["peft=lora", "trainer.max_steps=3", "trainer.eval_every_n_steps=3", "trainer.eval_batch_size=64"]
+    rm, dpo = tmp_path / "rm", tmp_path / "dpo"
+    result = run_cli(["recipe=rm_tiny", *short, f"output_dir={rm}"], timeout=600)
+    assert_ok(result)
+    assert "Σ r·(d_in + d_out) over 14 adapted matrices = 38912, modules_to_save 128" in result.stderr
+    assert "39040 trainable parameters" in result.stderr
+    AutoModelForSequenceClassification.from_pretrained(rm / "hf", dtype=torch.float32)
+    assert (rm / "adapter" / "adapter_config.json").is_file()
+    assert_ok(run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600))
+    first = read_metrics(dpo)[0][0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0

@@ -1,0 +1,138 @@
+"""peft=lora on one process: config errors, step-0 equality with the base, what one step changes, the
+trainable-count formula, the seeded adapters, and the two exports (adapter/ and merged hf/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.compose import compose_config
+from llmtrain.config import ConfigError, validate
+from llmtrain.models.load import build_model, load_tokenizer
+from llmtrain.models.lora import (LoraSettings, adapter_dir_for, adapter_formula, count_trainable,
+                                  save_adapter_and_merged, unwrap_peft)
+from tests.conftest import TOKENIZER_DIR
+
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
+
+
+def build(tokenizer, lora=LORA, head="lm", seed=0):
+    return build_model(name_or_path=None, from_config=TINY, config_path=None, tokenizer=tokenizer,
+                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=False,
+                       trust_remote_code=False, head=head, seed=seed, lora=lora)
+
+
+def ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+# ---- config ----------------------------------------------------------------------------------------
+
+def test_lora_group_composes_and_reaches_the_settings():
+    cfg = compose_config(["recipe=sft_tiny", "peft=lora", "peft.r=16", "peft.target_modules=[q_proj,v_proj]"])
+    validate(cfg, world_size=1)
+    settings = LoraSettings.from_config(cfg.peft)
+    assert settings == LoraSettings(r=16, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"),
+                                    modules_to_save=None)
+    assert LoraSettings.from_config(compose_config(["recipe=sft_tiny"]).peft) is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["peft.r=0"], "peft.r=0 must be >= 1"),
+    (["peft.alpha=0"], "peft.alpha=0.0 must be > 0"),
+    (["peft.dropout=1.0"], "peft.dropout=1.0 must be in [0, 1)"),
+    (["peft.target_modules=[lm_head]"], "peft.target_modules: lm_head is the output layer"),
+    (["peft.target_modules=some"], "peft.target_modules='some' must be all-linear or a list"),
+    (["backend=fsdp2_tp"], "peft=lora with backend.tp=2"),
+    (["backend=zero3"], "peft=lora with backend.zero_stage=3: not yet"),
+])
+def test_bad_lora_configs_name_the_field(overrides, message):
+    cfg = compose_config(["recipe=sft_tiny", "peft=lora", *overrides])
+    with pytest.raises(ConfigError, match="invalid config") as error:
+        validate(cfg, world_size=2)
+    assert message in str(error.value)
+
+
+def test_target_or_saved_module_that_matches_nothing_names_the_field(tokenizer):
+    with pytest.raises(ConfigError, match="peft.target_modules: qkv_proj match no linear layer"):
+        build(tokenizer, LoraSettings(4, 8.0, 0.0, ("q_proj", "qkv_proj"), None))
+    with pytest.raises(ConfigError, match="peft.modules_to_save: head is no module"):
+        build(tokenizer, LoraSettings(4, 8.0, 0.0, "all-linear", ("head",)))
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+
+def test_trainable_count_equals_the_formula_and_lm_head_is_not_adapted(tokenizer):
+    model = build(tokenizer)
+    trainable, total = count_trainable(model)
+    formula, matrices = adapter_formula(model, r=4)
+    # 2 layers × (q, k, v, o, gate, up, down); h 32, kv 16 (1 kv head of 16), intermediate 64
+    per_layer = 4 * ((32 + 32) * 2 + (32 + 16) * 2 + (32 + 64) * 3)
+    assert matrices == 14 and formula == trainable == 2 * per_layer
+    assert not any("lm_head" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert total == trainable + sum(p.numel() for p in unwrap_peft(model).parameters() if not p.requires_grad)
+
+
+def test_reward_head_is_trained_in_full_by_default(tokenizer):
+    model = build(tokenizer, head="scalar")
+    trainable, _ = count_trainable(model)
+    formula, _ = adapter_formula(model, r=4)
+    assert trainable == formula + 32  # score: 32 -> 1, no bias
+    assert any(".modules_to_save." in n and p.requires_grad for n, p in model.named_parameters())
+
+
+def test_step0_logits_equal_the_base_and_one_step_changes_only_adapters(tokenizer):
+    base, model = build(tokenizer, lora=None), build(tokenizer)
+    x = ids(len(tokenizer))
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=x).logits, model(input_ids=x).logits)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loss = model(input_ids=x, labels=x).loss
+    assert torch.allclose(loss, base(input_ids=x, labels=x).loss, rtol=0, atol=0)  # step-0 loss: the base's
+    loss.backward()
+    optimizer.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert {n for n in changed if "lora_B" in n} == {n for n, p in model.named_parameters() if "lora_B" in n}
+
+
+def test_adapters_are_a_function_of_the_seed_and_the_module_name(tokenizer):
+    torch.manual_seed(1)
+    a = build(tokenizer, seed=3)
+    torch.manual_seed(2)  # another global RNG state: same adapters
+    b = build(tokenizer, seed=3)
+    c = build(tokenizer, seed=4)
+    lora_a = lambda m: {n: p for n, p in m.named_parameters() if "lora_A" in n}
+    assert all(torch.equal(p, lora_a(b)[n]) for n, p in lora_a(a).items())
+    assert not any(torch.equal(p, lora_a(c)[n]) for n, p in lora_a(a).items())
+    assert all(torch.all(p == 0) for n, p in a.named_parameters() if "lora_B" in n)
+
+
+def test_adapter_and_merged_exports_reproduce_the_adapted_logits(tokenizer, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = build(tokenizer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # as after training: the merge must matter
+    model.eval()
+    save_adapter_and_merged(model, model.state_dict(), tmp_path / "hf", adapter_dir_for(tmp_path / "hf"))
+    x = ids(len(tokenizer))
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+        torch.testing.assert_close(merged(input_ids=x).logits, expected, rtol=0, atol=1e-4)
+        base = build(tokenizer, lora=None).eval()
+        reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(reloaded(input_ids=x).logits, expected, rtol=0, atol=1e-5)
+    assert adapter_dir_for(tmp_path / "reward_hf").name == "reward_adapter"
