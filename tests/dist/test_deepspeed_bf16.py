@@ -118,7 +118,7 @@ def _run_stage(ctx, stage: int, model_dir: Path, out: Path, log: list, active: l
             record["micro"].append({"buffers": _accumulation_buffers(engine),
                                     "reduced": sorted({d for name, ds in log if name in REDUCING for d in ds}),
                                     "gathered": sorted({d for name, ds in log if name in GATHERING for d in ds})})
-        record["grad_norm"].append(float(engine.clip_grad_norm()))
+        record["grad_norm"].append(float(engine.clip_or_fused_step()))
         engine.step()
     record["other_bytes"] = engine.model_state_bytes()["other_bytes"]
     engine.save_checkpoint(out / f"zero{stage}" / "ckpt")
