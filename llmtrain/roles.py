@@ -42,7 +42,6 @@ def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: Model
                   optim: OptimizerSpec, lora: LoraSettings | None = None) -> dict:
     """`lora`: adapters on every trainable role (frozen roles stay plain: a reference is the base itself)."""
     engines = {}
-    check_same_data_parallel({role: (backend.dims.dp_size, 0) for role in roles})
     for role, spec in roles.items():
         src = spec.source
         with backend.model_init_context():

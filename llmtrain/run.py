@@ -25,6 +25,7 @@ from llmtrain.parallel import DistContext, env_world_size, init_distributed, res
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages import build_stage, stage_roles
+from llmtrain.stages.base import trainable_roles
 from llmtrain.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("llmtrain")
@@ -201,7 +202,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
 def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> None:
     """Every trainable role as a Hugging Face folder: the first in `hf/`, others in `<role>_hf/`, each with
     the tokenizer and whatever the stage adds to its config (a reward model's reward mean/std)."""
-    trainable = [role for role, spec in stage.roles.items() if spec.trainable]
+    trainable = trainable_roles(stage.roles)
     for i, role in enumerate(trainable):
         directory = run_dir / ("hf" if i == 0 else f"{role}_hf")
         engines[role].export_hf(directory)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.base import (OptimizerSpec, build_adamw, build_scheduler, has_frozen_params, param_groups,
-                                    save_frozen, save_hf)
+from llmtrain.backends.base import (OptimizerSpec, autocast_dtype, build_adamw, build_scheduler, has_frozen_params,
+                                    param_groups, save_frozen, save_hf)
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
 from llmtrain.config import ConfigError
 from llmtrain.models.lora import is_peft
@@ -148,7 +148,7 @@ class DeepSpeedEngine:
             self.module, self.model = self.ds, self.ds.module
         else:
             self.ds = None
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+            dtype = autocast_dtype(self.precision) or torch.float32
             self.module = self.model = model.to(self.ctx.device, dtype=dtype)
 
     # ---- the step ------------------------------------------------------------------------------

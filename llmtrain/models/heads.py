@@ -40,17 +40,11 @@ def captured_token_scores(model: torch.nn.Module) -> Iterator[list[torch.Tensor]
         handle.remove()
 
 
-def pooled_scores(token_scores: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
-    """(B, T) per-token scores, (B,) index of each row's last real token -> (B,) scores, in fp32."""
-    rows = torch.arange(token_scores.shape[0], device=token_scores.device)
-    return token_scores[rows, last_index.to(token_scores.device)].float()
-
-
 def sequence_scores(forward, model: torch.nn.Module, last_index: torch.Tensor, **inputs) -> torch.Tensor:
-    """Run `forward(**inputs)` (the engine's module) and return the scores at `last_index` (B,)."""
-    with captured_token_scores(model) as captured:
-        forward(**inputs)
-    return pooled_scores(captured[-1], last_index)
+    """Run `forward(**inputs)` (the engine's module) and return the scores at `last_index` (B,): one sequence
+    per row, each row's index turned into a flat position for `scores_at`."""
+    batch, width = inputs["input_ids"].shape
+    return scores_at(forward, model, torch.arange(batch) * width + last_index.cpu(), **inputs)
 
 
 def scores_at(forward, model: torch.nn.Module, ends: torch.Tensor, **inputs) -> torch.Tensor:

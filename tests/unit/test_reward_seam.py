@@ -9,7 +9,7 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig
 
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError, config_problems
-from llmtrain.models.heads import pooled_scores, sequence_scores
+from llmtrain.models.heads import scores_at, sequence_scores
 from llmtrain.models.init import module_seed, seeded_init
 from llmtrain.models.load import load_tokenizer, use_distinct_pad_token
 from llmtrain.roles import check_same_data_parallel
@@ -58,9 +58,13 @@ def test_left_and_right_padding_give_the_same_scores():
     torch.testing.assert_close(scores[0], scores[1], rtol=0, atol=1e-4)
 
 
-def test_pooled_scores_pick_one_value_per_row():
-    values = torch.arange(12.0).reshape(3, 4)
-    assert pooled_scores(values, torch.tensor([0, 3, 1])).tolist() == [0.0, 7.0, 9.0]
+def test_scores_are_read_at_flat_positions_one_per_sequence():
+    """What the score layer outputs, (B, T, 1), read at flat positions (rows 0, 1, 2 at columns 0, 3, 1)."""
+    values = torch.arange(12.0).reshape(3, 4, 1)
+    score = torch.nn.Identity()
+    holder = torch.nn.Module()
+    holder.score = score
+    assert scores_at(score, holder, torch.tensor([0, 7, 9]), input=values).tolist() == [0.0, 7.0, 9.0]
 
 
 PAIRS = [{"chosen_input_ids": [1, 5, 6, EOS], "chosen_labels": [-100, 5, 6, EOS], "rejected_input_ids": [1, 5, EOS],
