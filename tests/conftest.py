@@ -59,6 +59,13 @@ def run_cli(args: list[str], *, nproc: int = 1, env: dict | None = None, timeout
                           cwd=cwd or REPO)
 
 
+def run_recipe(tmp_path_factory, recipe: str, *extra: str) -> Path:
+    """`python -m llmtrain recipe=RECIPE` as a user runs it, into a fresh folder (one run serves a module)."""
+    out = tmp_path_factory.mktemp(recipe)
+    assert_ok(run_cli([f"recipe={recipe}", *extra, f"output_dir={out}"], timeout=1200))
+    return out
+
+
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from metrics.jsonl."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]

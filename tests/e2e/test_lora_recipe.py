@@ -7,16 +7,14 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import assert_ok, read_metrics, run_cli
+from tests.conftest import assert_ok, read_metrics, run_cli, run_recipe
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_sft_tiny")
-    assert_ok(run_cli(["recipe=lora_sft_tiny", f"output_dir={out}"], timeout=1200))
-    return out
+    return run_recipe(tmp_path_factory, "lora_sft_tiny")
 
 
 def test_lora_sft_tiny_learns(lora_run):

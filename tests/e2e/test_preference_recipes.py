@@ -10,23 +10,19 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+from tests.conftest import REPO, read_metrics, run_recipe
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm_tiny")
-    assert_ok(run_cli(["recipe=rm_tiny", f"output_dir={out}"], timeout=1200))
-    return out
+    return run_recipe(tmp_path_factory, "rm_tiny")
 
 
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dpo_tiny")
-    assert_ok(run_cli(["recipe=dpo_tiny", f"output_dir={out}"], timeout=1200))
-    return out
+    return run_recipe(tmp_path_factory, "dpo_tiny")
 
 
 def test_rm_tiny_separates_easy_negatives(rm_run):
