@@ -1,0 +1,148 @@
+"""Advantage estimation for PPO (GAE with a critic) and GRPO (group-normalised scores), as pure functions.
+
+Shapes: B sequences, A action (generated) positions. `mask` (B, A) bool is True on every generated
+token up to and including the first EOS. Everything is fp32 (inputs are cast) and detached:
+advantages and returns are regression targets, never differentiated through.
+
+The stage picks an estimator by name from `ADVANTAGE_ESTIMATORS`; `needs_critic[name]` tells it
+whether to build a critic. Every estimator takes one `AdvantageInputs` and returns
+(advantages (B, A), returns (B, A) or None), both 0 outside the mask.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.parallel import all_reduce_sum
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x where mask is True (a where, not a product: a NaN or inf under the mask cannot leak)."""
+    kept = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x where mask is True; 0 where nothing is kept (not NaN). Local: no all-reduce."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+@torch.no_grad()
+def whiten(values: torch.Tensor, mask: torch.Tensor, group=None, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """(B, A) -> (B, A): (x − mean) / sqrt(var + eps) over the valid tokens of the whole global batch.
+
+    One all-reduce (over `group`, default every rank) of [Σx, Σx², count] in float64, so every rank
+    whitens with the same statistics whatever its share of tokens; a rank with no valid token still
+    joins the reduce (it adds zeros), or the others would wait for it forever. Ranks that hold the
+    same examples (tensor-parallel peers) scale all three sums alike, which leaves mean and variance
+    unchanged. The variance is the biased one (÷ count): with thousands of tokens the choice does not
+    matter, and it gives the whitened tokens exactly unit variance. TRL's old `masked_whiten` (gone
+    from 1.16 with its PPOTrainer) used the unbiased one, over the local batch. float64 keeps
+    E[x²] − E[x]² clear of cancellation. shift_mean=False adds the mean back (TRL's option): only
+    the scale is normalised, as for rewards, whose level carries meaning.
+    Masked-out positions come back as 0.
+    """
+    x = values.double()
+    stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum().double()])  # (3,)
+    total, total_sq, count = all_reduce_sum(stats, group).unbind()
+    count = count.clamp(min=1)
+    mean = total / count
+    var = (total_sq / count - mean * mean).clamp(min=0)
+    whitened = (x - mean) * torch.rsqrt(var + eps)  # (B, A)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, 0.0).float()
+
+
+@torch.no_grad()
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016): (advantages, returns), both (B, A).
+
+    δ_t = r_t + γ·V_{t+1} − V_t,   A_t = δ_t + γλ·A_{t+1},   returns_t = A_t + V_t (before any whitening).
+    Rewards and values outside the mask count as 0, so past the last action nothing is bootstrapped:
+    the last action's δ is r_T − V_T. Outputs are 0 outside the mask. A is small, hence the loop over
+    positions, vectorised over B.
+    """
+    r = torch.where(mask, rewards.float(), 0.0)  # (B, A)
+    v = torch.where(mask, values.float(), 0.0)  # (B, A)
+    next_values = F.pad(v[:, 1:], (0, 1))  # (B, A): V_{t+1}, 0 past the end
+    deltas = r + gamma * next_values - v  # (B, A)
+    running = torch.zeros_like(deltas[:, 0])  # (B,)
+    columns = []
+    for t in reversed(range(deltas.size(1))):
+        running = deltas[:, t] + gamma * lam * running
+        columns.append(running)
+    advantages = torch.stack(columns[::-1], dim=1) if columns else torch.zeros_like(deltas)  # (B, A)
+    advantages = torch.where(mask, advantages, 0.0)
+    return advantages, torch.where(mask, advantages + v, 0.0)
+
+
+@torch.no_grad()
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): (N,) scores -> (N,) (score − group mean) / (group std + eps).
+
+    Sample i answers prompt i // group_size, so a group is a consecutive run of `group_size`
+    samples; the caller must hold whole groups (TRL gathers the scores of all ranks first).
+    As TRL 1.16's GRPOTrainer with its default scale_rewards="group": the std is the unbiased one
+    (Bessel, ÷ (n − 1), its `nanstd`), eps = 1e-4 is added to the std (not the variance), in fp32.
+    A group of one sample has std 0 by convention (TRL does the same), so its advantage is 0, not NaN.
+    Not here: scale_rewards="batch" / "none" and NaN (unscorable) scores.
+    """
+    if group_size < 1 or scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of group_size={group_size}")
+    grouped = scores.float().view(-1, group_size)  # (N / K, K)
+    mean = grouped.mean(dim=1, keepdim=True)  # (N / K, 1)
+    std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # unbiased
+    return ((grouped - mean) / (std + eps)).view(-1)  # (N,)
+
+
+@torch.no_grad()
+def token_rewards(kl: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """(B, A) per-token rewards: −kl_coef·kl_t on every action token, plus the sequence's score on its last.
+
+    kl: (B, A) a per-token KL estimate; scores: (B,) the reward model's (or function's) score.
+    The last action token is the last True of the row's mask (the EOS, or the last token when the
+    generation was cut off); a row without action tokens gets nothing.
+    """
+    rewards = torch.where(mask, -kl_coef * kl.float(), 0.0)  # (B, A)
+    num_actions = mask.size(1)
+    last = num_actions - 1 - mask.flip(1).long().argmax(dim=1)  # (B,) index of the last True
+    at_last = F.one_hot(last, num_actions).bool() & mask.any(dim=1, keepdim=True)  # (B, A)
+    return rewards + torch.where(at_last, scores.float().unsqueeze(1), 0.0)
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    token_rewards: torch.Tensor  # (B, A) fp32, `token_rewards(...)`: −β·KL per token + score at the last
+    values: torch.Tensor | None  # (B, A) the critic's values at action tokens; None without a critic
+    mask: torch.Tensor  # (B, A) bool action mask
+    scores: torch.Tensor  # (B,) sequence scores (no KL); B = prompts × group_size, groups consecutive
+    group_size: int  # samples per prompt
+    gamma: float  # discount (GAE)
+    lam: float  # GAE λ
+
+
+def gae_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: GAE on the per-token rewards against the critic's values."""
+    if inputs.values is None:
+        raise ValueError("the gae advantage estimator needs the critic's values, got values=None")
+    return gae(inputs.token_rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
+
+
+def grpo_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """GRPO: every action token of a sample gets its group-normalised score; no critic, no returns."""
+    advantages = group_advantages(inputs.scores, inputs.group_size)  # (B,)
+    return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "gae": gae_estimator,
+    "grpo": grpo_estimator,
+}
+# Whether an estimator reads `values`, i.e. whether the stage must build and train a critic.
+needs_critic: dict[str, bool] = {"gae": True, "grpo": False}

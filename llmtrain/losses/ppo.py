@@ -1,0 +1,135 @@
+"""PPO losses as pure tensor functions: action log-probs, the clipped policy and value losses, metrics.
+
+Shapes: B sequences, T tokens (prompt + generation), V vocabulary, A action (generated) positions,
+the last A tokens of each row. `mask` (B, A) bool is True on every generated token up to and
+including the first EOS. Everything is fp32 (inputs are cast).
+
+Losses are per token, 0 outside the mask, and the caller *sums* them (`masked_sum`) and divides by
+the action tokens of the whole global mini-batch (all micro-batches, all ranks), as the SFT loss is
+normalised by its target tokens. That is TRL 1.16's GRPO default, loss_type="dapo"; its "grpo" loss
+(mean over each sequence's tokens, then over sequences) weighs a short answer's tokens more.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# masked_sum is also this module's: the stage sums the per-token losses below with it.
+from llmtrain.losses.advantages import masked_mean, masked_sum  # noqa: F401
+
+
+def action_logits(logits: torch.Tensor, num_actions: int) -> torch.Tensor:
+    """(B, T, V) -> (B, A, V), a view: position t predicts token t + 1, so the last A tokens are
+    predicted by positions T−A−1 … T−2. Slice once; feed the slice to `action_logps` and
+    `entropy_from_logits` so no (B, T, V) fp32 copy is ever made.
+    """
+    if not 0 < num_actions < logits.size(1):
+        raise ValueError(f"num_actions={num_actions} must be in [1, T) for T={logits.size(1)} positions")
+    return logits[:, -num_actions - 1:-1]
+
+
+def action_logps(logits: torch.Tensor, sequences: torch.Tensor, num_actions: int,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """(B, A) fp32 log p(sequences[:, -A:]) under softmax(logits / temperature).
+
+    logits: (B, T, V) the model's output for `sequences` (B, T). Sampling used the same temperature,
+    so the log-probs here are those of the distribution the tokens were drawn from. Only the (B, A, V)
+    slice is cast to fp32 (V can be 150k); cross-entropy gives the log-softmax-gather without
+    materialising a log-softmax copy.
+    """
+    scaled = action_logits(logits, num_actions).float()  # (B, A, V)
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    targets = sequences[:, -num_actions:]  # (B, A)
+    return -F.cross_entropy(scaled.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, A, V) action logits (`action_logits`) -> (B, A) fp32 entropy −Σ p log p of softmax(logits / T)."""
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    logp = F.log_softmax(scaled, dim=-1)  # (B, A, V)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+class PolicyTerms(NamedTuple):
+    losses: torch.Tensor  # (B, A) fp32 clipped surrogate per token, 0 outside the mask; carries the gradient
+    clipped: torch.Tensor  # (B, A) bool, the clipped branch was taken (strictly larger), inside the mask
+    approx_kl: torch.Tensor  # (B, A) ½ (log π − log π_old)², k2 estimate of KL(π_old‖π), 0 outside; detached
+    ratio: torch.Tensor  # (B, A) π / π_old (after the log-ratio clamp); detached
+
+
+def policy_loss_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      clip_eps: float, log_ratio_clamp: float = 20.0) -> PolicyTerms:
+    """PPO's clipped surrogate (Schulman et al. 2017), per token: max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)).
+
+    ρ = exp(clamp(log π − log π_old, ±log_ratio_clamp)): the clamp only matters for a diverged policy
+    (e^20 ≈ 5e8), where it keeps the loss finite; a clamped ratio has no gradient, as a clipped one.
+    On the first step on fresh samples log π == log π_old, so ρ is exactly 1 and the loss is −A.
+    approx_kl is k2, the estimator TRL's PPOTrainer logged as `approxkl` (0.5 · mean(logprob_diff²));
+    that trainer is gone from TRL 1.16.
+    """
+    log_ratio = logp.float() - old_logp.float()  # (B, A)
+    ratio = torch.exp(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))  # (B, A)
+    adv = advantages.float()
+    unclipped = -adv * ratio  # (B, A)
+    clipped_branch = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (B, A)
+    losses = torch.where(mask, torch.maximum(unclipped, clipped_branch), 0.0)
+    clipped = mask & (clipped_branch > unclipped)
+    approx_kl = torch.where(mask, 0.5 * log_ratio.detach() ** 2, 0.0)
+    return PolicyTerms(losses, clipped, approx_kl, ratio.detach())
+
+
+def _clipped_values(values: torch.Tensor, old_values: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """V_old + clip(V − V_old, ±ε): the value may not move further than ε from the rollout's."""
+    return old_values.float() + (values.float() - old_values.float()).clamp(-clip_eps, clip_eps)
+
+
+def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                     clip_eps: float | None) -> torch.Tensor:
+    """(B, A) ½·max((V − R)², (V_clipped − R)²), the pessimistic clipped value loss; ½ (V − R)² when
+    clip_eps is None. 0 outside the mask. The ½ as in TRL's old PPOTrainer and OpenRLHF's ValueLoss.
+    """
+    returns = returns.float()
+    losses = (values.float() - returns) ** 2  # (B, A)
+    if clip_eps is not None:
+        losses = torch.maximum(losses, (_clipped_values(values, old_values, clip_eps) - returns) ** 2)
+    return torch.where(mask, 0.5 * losses, 0.0)
+
+
+@torch.no_grad()
+def value_clipped(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                  clip_eps: float | None) -> torch.Tensor:
+    """(B, A) bool: the clipped branch of the value loss was taken (strictly larger), inside the mask.
+    Sum it over the global batch and divide by the action tokens for the logged clip fraction."""
+    if clip_eps is None:
+        return torch.zeros_like(mask)
+    returns = returns.float()
+    return mask & ((_clipped_values(values, old_values, clip_eps) - returns) ** 2 > (values.float() - returns) ** 2)
+
+
+@torch.no_grad()
+def value_clip_frac(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                    clip_eps: float | None) -> torch.Tensor:
+    """0-d fp32: the fraction of this rank's valid tokens where the value clip was taken (local)."""
+    return masked_mean(value_clipped(values, old_values, returns, mask, clip_eps).float(), mask)
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-d fp32: 1 − Var(R − V) / Var(R) over this rank's valid tokens (local, no all-reduce: a metric).
+
+    1: the critic predicts the returns; 0: no better than their mean; < 0: worse. NaN when the returns
+    do not vary (undefined, as in Stable-Baselines3). Both variances are biased; the ratio is the same.
+    """
+    returns, values = returns.double(), values.double()
+
+    def variance(x: torch.Tensor) -> torch.Tensor:
+        mean = masked_mean(x, mask)
+        return masked_mean((x - mean) ** 2, mask)
+
+    var_returns = variance(returns)
+    ratio = variance(returns - values) / var_returns
+    return torch.where(var_returns > 0, 1 - ratio, float("nan")).float()
