@@ -129,7 +129,7 @@ class BackendConfig:
 
 @dataclass
 class StageConfig:
-    name: str = "pretrain"  # pretrain | sft | reward | dpo
+    name: str = "pretrain"  # pretrain | sft | reward | dpo | ppo | grpo
 
 
 @dataclass
@@ -145,6 +145,67 @@ class DPOConfig:
     beta: float = 0.1
     loss: str = "sigmoid"  # sigmoid (DPO) | ipo
     label_smoothing: float = 0.0  # > 0: conservative DPO (cDPO), the labels flipped with this probability
+
+
+@dataclass
+class PPORoleConfig:
+    lr: Optional[float] = None  # the role's peak lr; null: optim.lr (the schedule and the rest of optim are shared)
+
+
+@dataclass
+class PPOCriticConfig(PPORoleConfig):
+    init: str = "policy"  # policy: the actor's weights with a fresh value head | reward: ppo.reward.model, head kept
+
+
+@dataclass
+class PPORewardConfig:
+    """Exactly one of `model` (a reward model directory: a frozen role) and `function` (`module:attribute`)."""
+    model: Optional[str] = None
+    function: Optional[str] = None  # score(prompts, responses, **columns) -> list[float]
+    clip: Optional[float] = None  # scores clipped to [-clip, clip]
+    normalize: bool = False  # (score - reward_mean) / reward_std with the reward model's exported statistics
+    missing_eos_penalty: Optional[float] = None  # added to the score of a response that ended without EOS
+
+
+@dataclass
+class PPORolloutConfig:
+    prompts_per_step: int = 16  # global, per iteration (trainer.max_steps counts iterations)
+    n_samples_per_prompt: int = 1  # GRPO: the group size (>= 2)
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    use_cache: bool = True  # the KV cache during generation (the benchmark measures without it)
+    eval_max_new_tokens: Optional[int] = None  # greedy held-out generation; null: max_new_tokens
+
+
+@dataclass
+class PPOKLConfig:
+    coef: float = 0.05  # β
+    estimator: str = "k1"  # k1 | k2 | k3 (Schulman): per-token estimate of KL(π || π_ref)
+    in_reward: bool = True  # true: r_t -= β·KL_t (PPO); false: β·KL as a loss term (GRPO)
+    target: Optional[float] = None  # adaptive controller (Ziegler et al.): the per-sequence KL to hold
+    horizon: int = 10000  # samples over which the adaptive coefficient moves
+
+
+@dataclass
+class PPOConfig:
+    """stage=ppo / stage=grpo: one trainer step = one rollout + ppo.epochs passes over it in mini-batches."""
+    actor: PPORoleConfig = field(default_factory=PPORoleConfig)
+    critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
+    reward: PPORewardConfig = field(default_factory=PPORewardConfig)
+    rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
+    kl: PPOKLConfig = field(default_factory=PPOKLConfig)
+    advantage: str = "gae"  # gae (critic) | grpo (group-relative, no critic)
+    epochs: int = 1
+    mini_batch_size: int = 16  # sequences per optimizer step, global
+    clip_eps: float = 0.2
+    value_clip_eps: Optional[float] = 0.2  # null: unclipped value loss
+    value_coef: float = 1.0  # the critic's loss scale (its own optimizer: only its lr-relative size matters)
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
 
 
 @dataclass
@@ -179,6 +240,7 @@ class RunConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
 
 
 def register_schema() -> None:
@@ -189,15 +251,20 @@ CHOICES = {
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "device": ("auto", "cpu", "cuda"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.format": ("text", "prompt_response", "alpaca", "messages", "preference"),
+    "data.format": ("text", "prompt_response", "alpaca", "messages", "preference", "prompt"),
     "data.overlong": ("truncate", "drop", "chunk"),
     "backend.name": ("ddp", "deepspeed", "fsdp2"),
-    "stage.name": ("pretrain", "sft", "reward", "dpo"),
+    "stage.name": ("pretrain", "sft", "reward", "dpo", "ppo", "grpo"),
     "dpo.loss": ("sigmoid", "ipo"),
+    "ppo.advantage": ("gae", "grpo"),
+    "ppo.kl.estimator": ("k1", "k2", "k3"),
+    "ppo.critic.init": ("policy", "reward"),
     "peft.name": ("none", "lora"),
 }
 SFT_FORMATS = ("prompt_response", "alpaca", "messages")
 PAIR_STAGES = ("reward", "dpo")
+RL_STAGES = ("ppo", "grpo")  # one stage: grpo presets ppo.advantage=grpo (conf/stage/grpo.yaml)
+PROMPT_FORMATS = ("prompt", "prompt_response", "messages")  # where an RL stage finds its prompts
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -243,7 +310,7 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += _batch_problems(t, data_parallel_size=data_parallel_size(cfg.backend, world_size))
     problems += _source_problems(cfg)
     problems += backend_config_problems(cfg.backend, world_size)
-    problems += stage_problems(cfg)
+    problems += stage_problems(cfg, data_parallel_size(cfg.backend, world_size))
     problems += peft_problems(cfg.peft, cfg.backend)
     return problems
 
@@ -281,8 +348,8 @@ def peft_problems(peft: Any, backend: Any) -> list[str]:
     return problems
 
 
-def stage_problems(cfg: Any) -> list[str]:
-    """The chosen stage's own fields, and what it needs from data and model."""
+def stage_problems(cfg: Any, dp: int = 1) -> list[str]:
+    """The chosen stage's own fields, and what it needs from data and model (`dp`: the data-parallel size)."""
     name, d = cfg.stage.name, cfg.data
     problems = []
     if name in PAIR_STAGES:
@@ -295,6 +362,10 @@ def stage_problems(cfg: Any) -> list[str]:
         if cfg.model.dropout > 0:
             problems.append(f"stage {name} runs every forward without dropout (as TRL does: the chosen and rejected "
                             f"scores must come from the same function): model.dropout={cfg.model.dropout} must be 0")
+    if name in RL_STAGES:
+        from llmtrain.stages.ppo.checks import ppo_problems
+
+        problems += ppo_problems(cfg, name, dp)
     if name == "reward" and cfg.reward.center_coef < 0:
         problems.append(f"reward.center_coef={cfg.reward.center_coef} must be >= 0")
     if name == "dpo":

@@ -81,6 +81,22 @@ def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     return values
 
 
+def all_reduce_max(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Elementwise max of a small tensor over `group` (default: all ranks), in place, and return it."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
+def all_gather_rows(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """(n, ...) per rank, the same shape on every rank -> (world·n, ...) in rank order."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -9,7 +9,7 @@ from the seeded init: the same on every backend and world size.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,7 +51,8 @@ def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: Model
                                 activation_checkpointing=options.activation_checkpointing and spec.trainable,
                                 trust_remote_code=src.trust_remote_code, head=spec.head, seed=seed,
                                 gather=backend.gathered_for_init, lora=lora if spec.trainable else None)
-        engines[role] = backend.wrap(model, optim if spec.trainable else None)
+        role_optim = replace(optim, lr=spec.lr) if spec.lr is not None else optim
+        engines[role] = backend.wrap(model, role_optim if spec.trainable else None)
         log.debug("role %s: %s, %s", role, type(model).__name__, "trainable" if spec.trainable else "frozen")
     check_same_data_parallel({role: (e.dp_size, e.dp_rank) for role, e in engines.items()})
     # The training RNG stream starts here, the same on every backend: building drew from it in

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.config import PAIR_STAGES, ConfigError, data_parallel_size, validate
+from llmtrain.config import PAIR_STAGES, RL_STAGES, ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import planned_model_state_bytes
@@ -48,6 +48,13 @@ def check_run_dir(run_dir: Path, resume: str | None) -> None:
 def batch_arithmetic(cfg: DictConfig, world: int) -> str:
     t = cfg.trainer
     dp = data_parallel_size(cfg.backend, world)
+    if cfg.stage.name in RL_STAGES:
+        p = cfg.ppo
+        samples = p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt
+        return (f"one step: {p.rollout.prompts_per_step} prompts × {p.rollout.n_samples_per_prompt} samples = {samples} "
+                f"sequences (≤ {p.rollout.max_new_tokens} new tokens each) over dp {dp}, then {p.epochs} epoch(s) of "
+                f"mini-batches of {p.mini_batch_size}: {p.epochs * (samples // max(p.mini_batch_size, 1))} optimizer "
+                f"steps per step (the lr schedule counts these), forwards of {t.micro_batch_size} sequences per rank")
     rows = t.micro_batch_size * t.grad_accum_steps * dp
     unit = "pairs" if cfg.stage.name in PAIR_STAGES else "rows"  # a pair is two sequences in one forward
     return (f"global batch {rows} {unit} = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
@@ -111,11 +118,12 @@ def check_backend_against_model(cfg: DictConfig, world: int) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def optimizer_spec(cfg: DictConfig) -> OptimizerSpec:
+def optimizer_spec(cfg: DictConfig, updates_per_step: int = 1) -> OptimizerSpec:
+    """`updates_per_step`: optimizer steps in one trainer step (PPO: epochs × mini-batches); the schedule counts them."""
     o = cfg.optim
     return OptimizerSpec(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                          warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
-                         max_grad_norm=o.max_grad_norm, max_steps=cfg.trainer.max_steps)
+                         max_grad_norm=o.max_grad_norm, max_steps=cfg.trainer.max_steps * updates_per_step)
 
 
 def backend_options(cfg: DictConfig, run_dir: Path) -> dict:
@@ -155,32 +163,33 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
     attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
-    data = build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
-                      eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
-                      max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing, tokenizer=tokenizer,
-                      seed=t.seed, rename_columns=stage_column_renames(cfg))
+    attn = getattr(stage, "attn_implementation", attn)  # PPO: left-padded prompts need a mask-reading attention
+    data = load_data(cfg, tokenizer)
     if ctx.is_main:
         log.info("train data: %s", data.train_stats.summary())
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
+    updates_per_step = getattr(stage, "optimizer_steps_per_step", lambda: 1)()
     engines = build_engines(stage.roles, backend, tokenizer,
-                            ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed, optimizer_spec(cfg),
-                            lora=LoraSettings.from_config(cfg.peft))
+                            ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed,
+                            optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_yaml)
     first = next(iter(engines.values()))
     dp_rank, dp_size = first.dp_rank, first.dp_size
-    settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
-                               global_batch_size=t.micro_batch_size * t.grad_accum_steps * dp_size,
+    # examples per fetch and fetches per step on each rank (PPO: one fetch of this rank's share of the prompts)
+    per_fetch, fetches = getattr(stage, "fetch_layout", lambda dp: (t.micro_batch_size, t.grad_accum_steps))(dp_size)
+    settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=fetches,
+                               global_batch_size=per_fetch * fetches * dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
                                skip_nonfinite=t.skip_nonfinite)
     trainer = Trainer(
         settings, ctx=ctx, stage=stage, engines=engines,
         train_batches=lambda start: train_batches(
-            data.train, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+            data.train, micro_batch_size=per_fetch, grad_accum_steps=fetches,
             dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, collate_fn=stage.collate,
             num_workers=d.num_workers, start_step=start, group_by_length=d.group_by_length),
         eval_batches=None if data.eval is None else eval_batches(
@@ -197,6 +206,21 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     finally:
         for sink in trainer.sinks:
             sink.close()
+
+
+def load_data(cfg: DictConfig, tokenizer):
+    d, t = cfg.data, cfg.trainer
+    if cfg.stage.name in RL_STAGES:
+        from llmtrain.data.prompts import build_prompt_data
+
+        return build_prompt_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
+                                 eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
+                                 max_prompt_len=d.max_seq_len - cfg.ppo.rollout.max_new_tokens, tokenizer=tokenizer,
+                                 seed=t.seed)
+    return build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
+                      eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
+                      max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing, tokenizer=tokenizer,
+                      seed=t.seed, rename_columns=stage_column_renames(cfg))
 
 
 def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> None:

@@ -65,6 +65,11 @@ class Engine(Protocol):
     def save_checkpoint(self, directory: Path) -> None: ...
     def load_checkpoint(self, directory: Path) -> None: ...
     def export_hf(self, directory: Path) -> None: ...
+    # The Hugging Face model, whole on this rank, for `generate` (a trainable engine's): ZeRO-3 gathers the
+    # weights once and removes its hooks for the block (re-registered after, or the next step fails); FSDP2
+    # unshards every unit once and keeps it unsharded through the block. So the many small forwards of a
+    # generation run no collective: ranks that stop at different lengths cannot hang one another.
+    def generation_context(self) -> AbstractContextManager[torch.nn.Module]: ...
 
 
 class Backend(Protocol):
@@ -184,6 +189,20 @@ class ScaledOptimizerSteps:
         if self._state_bytes is None and self.optimizer is not None and self.optimizer.state:
             self._state_bytes = {**local_state_bytes(list(self.model.parameters()), [], self.optimizer),
                                  "grads": self._grad_bytes}
+
+
+@contextlib.contextmanager
+def generation_mode(model: torch.nn.Module):
+    """Eval mode (no dropout) with the KV cache on (models are built with use_cache=False for training);
+    both restored after."""
+    was_training, use_cache = model.training, model.config.use_cache
+    model.eval()
+    model.config.use_cache = True
+    try:
+        yield model
+    finally:
+        model.config.use_cache = use_cache
+        model.train(was_training)
 
 
 def has_frozen_params(model: torch.nn.Module) -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_adamw,
-                                    build_scheduler, has_frozen_params, save_frozen, save_hf,
+                                    build_scheduler, generation_mode, has_frozen_params, save_frozen, save_hf,
                                     trainable_state_dict)
 from llmtrain.parallel import DistContext, ParallelDims
 
@@ -80,6 +80,9 @@ class DDPEngine(ScaledOptimizerSteps):
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    def generation_context(self):
+        return generation_mode(self.model)  # the replicated model, outside DDP's wrapper: no collective
 
     def save_checkpoint(self, directory: Path) -> None:
         if not self.trainable:

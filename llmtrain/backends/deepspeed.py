@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.base import (OptimizerSpec, autocast_dtype, build_adamw, build_scheduler, has_frozen_params,
-                                    param_groups, save_frozen, save_hf)
+from llmtrain.backends.base import (OptimizerSpec, autocast_dtype, build_adamw, build_scheduler, generation_mode,
+                                    has_frozen_params, param_groups, save_frozen, save_hf)
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
 from llmtrain.config import ConfigError
 from llmtrain.models.lora import is_peft
@@ -264,6 +264,19 @@ class DeepSpeedEngine:
         return self._memory
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def generation_context(self):
+        if self.stage != 3:
+            with generation_mode(self.model):
+                yield self.model
+            return
+        if self.optimizer is None:
+            raise ValueError("deepspeed ZeRO-3: generation runs on a trainable engine (its hooks live in the optimizer)")
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(self.ds), generation_mode(self.model):
+            yield self.model
+
     def save_checkpoint(self, directory: Path) -> None:
         """All ranks: DeepSpeed writes its own layout (model states, each rank's ZeRO partition) under TAG."""
         if not self.trainable:

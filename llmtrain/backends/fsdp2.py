@@ -45,11 +45,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
     set_model_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler,
-                                    has_frozen_params, param_groups, save_frozen, save_hf)
+                                    generation_mode, has_frozen_params, param_groups, save_frozen, save_hf)
 from llmtrain.models.lora import unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims
@@ -186,6 +186,7 @@ class FSDP2Engine(ScaledOptimizerSteps):
                  dims: ParallelDims, mesh, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
                  compile: bool = False):
         self.ctx, self.dims, self.optim_spec, self.mesh = ctx, dims, optim, mesh
+        self.reshard_after_forward = reshard_after_forward
         data_mesh = self.mesh["dp"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
         self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
         # GPU + bf16: FSDP keeps fp32 shards (the optimizer's master weights), all-gathers bf16 copies
@@ -262,6 +263,23 @@ class FSDP2Engine(ScaledOptimizerSteps):
         if not has_frozen_params(self.model):
             return DCP_OPTIONS
         return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+    @contextlib.contextmanager
+    def generation_context(self):
+        """Every FSDP unit unsharded once (one all-gather each) and kept so through the block; then resharded, with
+        each unit's reshard-after-forward as parallelize set it."""
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        self.model.set_reshard_after_forward(False)
+        for unit in units:
+            unit.unshard()
+        try:
+            with generation_mode(self.model):
+                yield self.model
+        finally:
+            self.model.set_reshard_after_forward(self.reshard_after_forward)
+            self.model.set_reshard_after_forward(False, recurse=False)  # the root never reshards (apply_fsdp)
+            for unit in units:
+                unit.reshard()
 
     def save_checkpoint(self, directory: Path) -> None:
         """Sharded model + optimizer (DCP, loads into any mesh) and, from rank 0, scheduler/scaler."""

@@ -9,7 +9,8 @@ from llmtrain.stages.base import ModelSource
 
 # name -> (module, builder function): builder(cfg, source, tokenizer) -> Stage
 STAGES = {"pretrain": ("llmtrain.stages.causal_lm", "build"), "sft": ("llmtrain.stages.causal_lm", "build"),
-          "reward": ("llmtrain.stages.reward", "build"), "dpo": ("llmtrain.stages.dpo", "build")}
+          "reward": ("llmtrain.stages.reward", "build"), "dpo": ("llmtrain.stages.dpo", "build"),
+          "ppo": ("llmtrain.stages.ppo.build", "build"), "grpo": ("llmtrain.stages.ppo.build", "build")}
 
 
 def model_source(model_cfg) -> ModelSource:
@@ -20,7 +21,10 @@ def model_source(model_cfg) -> ModelSource:
 
 # name -> {role: trainable}: what the planner reports before any stage is built (each stage's `roles` agrees)
 ROLES = {"pretrain": {"policy": True}, "sft": {"policy": True}, "reward": {"reward": True},
-         "dpo": {"policy": True, "reference": False}}
+         "dpo": {"policy": True, "reference": False},
+         # PPO with a reward model; with ppo.reward.function there is no reward role (stages/ppo/build.ppo_roles)
+         "ppo": {"actor": True, "critic": True, "reference": False, "reward": False},
+         "grpo": {"actor": True, "reference": False}}
 
 
 def stage_roles(name: str) -> dict[str, bool]:

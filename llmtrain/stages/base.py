@@ -47,6 +47,7 @@ class RoleSpec:
     source: ModelSource
     head: str = "lm"  # "lm": next-token logits; "scalar": one score per token (models/load.py HEADS)
     trainable: bool = True
+    lr: float | None = None  # this role's peak lr (PPO's actor and critic); None: optim.lr
 
 
 class Stage(Protocol):

@@ -1,0 +1,1 @@
+"""Rule-based reward functions shipped with llmtrain (`ppo.reward.function=llmtrain.rewards.<module>:score`)."""

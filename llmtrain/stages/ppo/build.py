@@ -1,0 +1,70 @@
+"""The config's ppo.* onto the PPO stage's plain arguments (config stops at builders). The reward function is
+imported here, before any model loads: a wrong `module:attribute` fails fast, on every rank."""
+
+from __future__ import annotations
+
+from llmtrain.losses.advantages import needs_critic
+from llmtrain.losses.kl import build_kl_controller
+from llmtrain.models.attention import SEGMENT_ATTENTION
+from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
+from llmtrain.stages.base import ModelSource, RoleSpec
+from llmtrain.stages.ppo.experience import ExperienceSettings
+from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_function, reward_model_statistics
+from llmtrain.stages.ppo.rollout import SamplingSettings
+from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
+
+
+def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
+    """actor (trainable), critic (trainable, when the advantage needs one), reference (frozen copy of the initial
+    actor), reward (a frozen reward model, when ppo.reward.model is set)."""
+    p = cfg.ppo
+    reward_source = None if p.reward.model is None else ModelSource(p.reward.model,
+                                                                   trust_remote_code=source.trust_remote_code)
+    roles = {"actor": RoleSpec(source, head="lm", trainable=True, lr=p.actor.lr)}
+    if needs_critic[p.advantage]:
+        critic_source = reward_source if p.critic.init == "reward" else source  # policy: a fresh, seeded value head
+        roles["critic"] = RoleSpec(critic_source, head="scalar", trainable=True, lr=p.critic.lr)
+    roles["reference"] = RoleSpec(source, head="lm", trainable=False)
+    if reward_source is not None:
+        roles["reward"] = RoleSpec(reward_source, head="scalar", trainable=False)
+    return roles
+
+
+def attention_for_rollouts(attn_implementation: str) -> str:
+    """Left-padded prompts need an attention that reads the padding mask: the packing-only ones become sdpa."""
+    if attn_implementation == SEGMENT_ATTENTION or attn_implementation in FLEX_IMPLEMENTATIONS:
+        return "sdpa"
+    return attn_implementation
+
+
+def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOStage:
+    p, t = cfg.ppo, cfg.trainer
+    r, rollout = p.reward, p.rollout
+    sampling = SamplingSettings(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                                top_p=rollout.top_p, top_k=rollout.top_k,
+                                n_samples_per_prompt=rollout.n_samples_per_prompt, use_cache=rollout.use_cache)
+    eval_sampling = SamplingSettings(max_new_tokens=rollout.eval_max_new_tokens or rollout.max_new_tokens,
+                                     temperature=0.0, use_cache=rollout.use_cache)
+    experience = ExperienceSettings(
+        temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
+        advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
+        group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size)
+    update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
+                            value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
+                            kl_loss_coef=0.0 if p.kl.in_reward else p.kl.coef, kl_estimator=p.kl.estimator,
+                            temperature=rollout.temperature)
+    shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty,
+                           statistics=reward_model_statistics(r.model) if r.normalize else None)
+    if r.normalize and shaping.statistics is None:
+        from llmtrain.config import ConfigError
+
+        raise ConfigError(f"ppo.reward.normalize=true: {r.model}/config.json has no reward_mean/reward_std (a reward "
+                          "model trained by llmtrain's stage=reward exports them); set ppo.reward.normalize=false")
+    stage = PPOStage(ppo_roles(cfg, source), tokenizer, sampling=sampling, eval_sampling=eval_sampling,
+                     experience=experience, update=update,
+                     kl_controller=build_kl_controller(p.kl.coef if p.kl.in_reward else 0.0, p.kl.target, p.kl.horizon),
+                     shaping=shaping, reward_function=load_reward_function(r.function) if r.function else None,
+                     prompts_per_step=rollout.prompts_per_step, seed=t.seed)
+    stage.name = cfg.stage.name
+    stage.attn_implementation = attention_for_rollouts(attn_implementation)
+    return stage

@@ -1,0 +1,104 @@
+"""The rules of ppo.* and what PPO needs from the rest of the config: every problem, each naming the field and
+the fix, found before any model loads (called by config.stage_problems)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.losses.advantages import needs_critic
+
+SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding masks: wrong for left-padded prompts
+
+
+def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
+    p, d, m, t = cfg.ppo, cfg.data, cfg.model, cfg.trainer
+    r, rollout, kl = p.reward, p.rollout, p.kl
+    problems = []
+    if stage == "grpo" and p.advantage != "grpo":
+        problems.append(f"stage=grpo uses group-relative advantages: ppo.advantage={p.advantage!r} must be grpo "
+                        "(or use stage=ppo for gae with a critic)")
+    if d.format not in ("prompt", "prompt_response", "messages"):
+        problems.append(f"stage {stage} generates from prompts: data.format={d.format!r} must be prompt, prompt_response "
+                        "or messages")
+    if d.packing:
+        problems.append(f"stage {stage} generates from prompts, nothing is packed: set data.packing=false")
+    if m.dropout > 0:
+        problems.append(f"stage {stage} runs every forward without dropout (the first ratio must be exactly 1): "
+                        f"model.dropout={m.dropout} must be 0")
+    if cfg.peft.name == "lora" and cfg.peft.dropout > 0:
+        problems.append(f"stage {stage} with peft=lora: the reference is the actor with its adapters off and every "
+                        f"forward is without dropout: peft.dropout={cfg.peft.dropout} must be 0")
+    if m.attn_implementation in SEGMENT_ONLY_ATTENTION:
+        problems.append(f"stage {stage}: model.attn_implementation={m.attn_implementation} ignores padding masks, but "
+                        "prompts are left-padded: use auto (sdpa, or flash-attention on a GPU) or sdpa")
+    if (r.model is None) == (r.function is None):
+        problems.append("set exactly one of ppo.reward.model (a reward model directory) and ppo.reward.function "
+                        f"(module:attribute); got model={r.model!r}, function={r.function!r}")
+    if r.function is not None and ":" not in r.function:
+        problems.append(f"ppo.reward.function={r.function!r} must be module:attribute (e.g. my_rewards:score)")
+    if r.normalize and r.model is None:
+        problems.append("ppo.reward.normalize=true uses a reward model's exported reward_mean/std: set ppo.reward.model, "
+                        "or ppo.reward.normalize=false")
+    if r.clip is not None and not r.clip > 0:
+        problems.append(f"ppo.reward.clip={r.clip} must be > 0 (or null)")
+    if needs_critic.get(p.advantage) and p.critic.init == "reward" and r.model is None:
+        problems.append("ppo.critic.init=reward starts the critic from the reward model: set ppo.reward.model, or "
+                        "ppo.critic.init=policy")
+    if p.advantage == "grpo" and rollout.n_samples_per_prompt < 2:
+        problems.append(f"ppo.advantage=grpo compares the samples of a prompt: ppo.rollout.n_samples_per_prompt="
+                        f"{rollout.n_samples_per_prompt} must be >= 2")
+    problems += _batch_problems(p, t, dp)
+    problems += _value_problems(p, rollout, kl)
+    if rollout.max_new_tokens >= d.max_seq_len:
+        problems.append(f"ppo.rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
+                        f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len")
+    if cfg.backend.name == "fsdp2" and cfg.backend.tp > 1:
+        problems.append(f"stage {stage} with backend.tp={cfg.backend.tp}: generation under tensor parallelism is not "
+                        "supported yet; use backend.tp=1 (backend=fsdp2)")
+    if t.grad_accum_steps != 1:
+        problems.append(f"stage {stage}: a mini-batch is one optimizer step (ppo.mini_batch_size sequences, global); "
+                        f"trainer.grad_accum_steps={t.grad_accum_steps} must be 1")
+    return problems
+
+
+def _batch_problems(p: Any, t: Any, dp: int) -> list[str]:
+    rollout, problems = p.rollout, []
+    samples = rollout.prompts_per_step * rollout.n_samples_per_prompt
+    if rollout.prompts_per_step < 1 or rollout.prompts_per_step % dp:
+        problems.append(f"ppo.rollout.prompts_per_step={rollout.prompts_per_step} must be a positive multiple of the "
+                        f"data-parallel size {dp} (each rank generates for its share)")
+    if p.mini_batch_size < 1 or p.mini_batch_size % dp or samples % max(p.mini_batch_size, 1):
+        problems.append(f"ppo.mini_batch_size={p.mini_batch_size} must be a multiple of the data-parallel size {dp} "
+                        f"and divide the {samples} samples of a step (prompts_per_step × n_samples_per_prompt)")
+    if p.epochs < 1:
+        problems.append(f"ppo.epochs={p.epochs} must be >= 1")
+    return problems
+
+
+def _value_problems(p: Any, rollout: Any, kl: Any) -> list[str]:
+    problems = []
+    if not rollout.temperature > 0:
+        problems.append(f"ppo.rollout.temperature={rollout.temperature} must be > 0 (log-probs divide by it; the "
+                        "held-out eval is greedy already)")
+    if not 0 < rollout.top_p <= 1:
+        problems.append(f"ppo.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if rollout.top_k < 0 or rollout.max_new_tokens < 1 or rollout.n_samples_per_prompt < 1:
+        problems.append("ppo.rollout.top_k must be >= 0, max_new_tokens and n_samples_per_prompt >= 1 "
+                        f"(got {rollout.top_k}, {rollout.max_new_tokens}, {rollout.n_samples_per_prompt})")
+    if not p.clip_eps > 0 or (p.value_clip_eps is not None and not p.value_clip_eps > 0):
+        problems.append(f"ppo.clip_eps={p.clip_eps} and ppo.value_clip_eps={p.value_clip_eps} must be > 0 "
+                        "(value_clip_eps may be null: no value clipping)")
+    if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+        problems.append(f"ppo.gamma={p.gamma} and ppo.lam={p.lam} must be in [0, 1]")
+    if kl.coef < 0 or p.entropy_coef < 0 or p.value_coef <= 0:
+        problems.append(f"ppo.kl.coef={kl.coef} and ppo.entropy_coef={p.entropy_coef} must be >= 0, ppo.value_coef="
+                        f"{p.value_coef} > 0")
+    if kl.target is not None and not kl.target > 0:
+        problems.append(f"ppo.kl.target={kl.target} must be > 0 (or null: a fixed coefficient)")
+    if kl.horizon < 1:
+        problems.append(f"ppo.kl.horizon={kl.horizon} must be >= 1")
+    for role in ("actor", "critic"):
+        lr = getattr(p, role).lr
+        if lr is not None and not lr > 0:
+            problems.append(f"ppo.{role}.lr={lr} must be > 0 (or null: optim.lr)")
+    return problems

@@ -1,0 +1,119 @@
+"""Rollout: the actor samples responses to a rank's prompts with HF `generate` (KV cache on).
+
+Layout of every sequence: the prompt left-padded to one width P (the same on every rank, so experience
+can be gathered across ranks), then the response right-padded to one width A. The action mask marks
+each generated token up to and including the first EOS; never build it as `token != pad` (pad is eos
+for many tokenizers: that would drop the EOS, the very token a reward model scores at). Every forward
+over these sequences takes the attention mask and position ids from the mask's cumulative sum, so a
+left-padded prompt is seen exactly as the unpadded one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig
+
+from llmtrain.data.prompts import PromptBatch
+from llmtrain.parallel import all_reduce_max
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    n_samples_per_prompt: int = 1
+    use_cache: bool = True
+
+
+@dataclass
+class Rollout:
+    sequences: torch.Tensor  # (B, P + A) long: left-padded prompt, then the response right-padded after its EOS
+    attention_mask: torch.Tensor  # (B, P + A) long: 1 on prompt tokens and on action tokens
+    action_mask: torch.Tensor  # (B, A) bool: generated tokens up to and including the first EOS
+    ended: torch.Tensor  # (B,) bool: the response ends in an EOS (False: cut at max_new_tokens)
+    prompts: list  # raw prompt of each sequence (repeated n_samples_per_prompt times, consecutively)
+    columns: dict[str, list]  # the prompt rows' other columns, repeated likewise
+    real: torch.Tensor  # (B,) bool: False for eval filler rows
+    gather_s: float = 0.0  # seconds to make the actor whole for generation (ZeRO-3 gather, FSDP2 unshard)
+
+    @property
+    def num_actions(self) -> int:
+        return self.action_mask.shape[1]
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.sequences[:, -self.num_actions:]  # (B, A)
+
+
+def model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    """Forward inputs for left-padded sequences: positions count real tokens only."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    return {"input_ids": sequences, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def up_to_first_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """(B, A) generated tokens -> (B, A) bool: True through the first EOS of each row (every token if none)."""
+    is_eos = torch.isin(tokens, eos_ids).long()
+    return (is_eos.cumsum(-1) - is_eos) == 0
+
+
+def generation_config(settings: SamplingSettings, pad_token_id: int, eos_ids: list[int]) -> GenerationConfig:
+    sample = settings.temperature > 0
+    return GenerationConfig(
+        max_new_tokens=settings.max_new_tokens, do_sample=sample, temperature=settings.temperature if sample else None,
+        top_p=settings.top_p if sample else None, top_k=settings.top_k if sample and settings.top_k > 0 else None,
+        pad_token_id=pad_token_id, eos_token_id=eos_ids, use_cache=settings.use_cache)
+
+
+def _repeat(values: list, n: int) -> list:
+    return [value for value in values for _ in range(n)]
+
+
+def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    extra = width - ids.shape[1]
+    return F.pad(ids, (extra, 0), value=pad_token_id), F.pad(mask, (extra, 0), value=0)
+
+
+def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int, eos_ids: list[int],
+             seed: int, group=None) -> Rollout:
+    """Sample `n_samples_per_prompt` responses per prompt (a prompt's samples consecutive: a GRPO group).
+
+    The sampling RNG is seeded from `seed` (the caller derives it from the run seed, the step and the dp
+    rank): a rollout does not depend on what drew from the global RNG before, so resume replays it."""
+    n = settings.n_samples_per_prompt
+    ids, mask = batch.input_ids.repeat_interleave(n, 0), batch.attention_mask.repeat_interleave(n, 0)  # (B, P)
+    width = int(all_reduce_max(torch.tensor([ids.shape[1]], device=ids.device), group).item())
+    ids, mask = _left_pad(ids, mask, width, pad_token_id)
+    devices = [ids.device] if ids.device.type == "cuda" else []
+    start = time.perf_counter()
+    with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
+        gather_s = time.perf_counter() - start
+        torch.manual_seed(seed)
+        with actor.autocast():
+            out = model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
+                                 generation_config=generation_config(settings, pad_token_id, eos_ids))
+    responses = out[:, width:]  # (B, a): this rank's longest response sets a
+    eos = torch.tensor(eos_ids, device=responses.device)
+    action_mask = up_to_first_eos(responses, eos)
+    ended = (torch.isin(responses, eos) & action_mask).any(-1)
+    num_actions = int(all_reduce_max(torch.tensor([max(responses.shape[1], 1)], device=ids.device), group).item())
+    extra = num_actions - responses.shape[1]
+    responses = F.pad(responses.masked_fill(~action_mask, pad_token_id), (0, extra), value=pad_token_id)
+    action_mask = F.pad(action_mask, (0, extra), value=False)
+    return Rollout(sequences=torch.cat([ids, responses], 1), attention_mask=torch.cat([mask, action_mask.long()], 1),
+                   action_mask=action_mask, ended=ended, prompts=_repeat(batch.prompts, n),
+                   columns={k: _repeat(v, n) for k, v in batch.columns.items()},
+                   real=batch.real.repeat_interleave(n, 0), gather_s=gather_s)
+
+
+def decode_responses(tokenizer, rollout: Rollout, eos_ids: list[int]) -> list[str]:
+    """Each response's text up to, not including, its EOS (what a reward function reads)."""
+    responses = rollout.responses.cpu()
+    keep = rollout.action_mask.cpu() & ~torch.isin(responses, torch.tensor(eos_ids))
+    return tokenizer.batch_decode([row[m].tolist() for row, m in zip(responses, keep)], skip_special_tokens=True)

@@ -1,0 +1,227 @@
+"""PPO (and GRPO): actor, critic, frozen reference and a reward model or function, every role on every rank.
+
+One trainer step is one iteration: each dp rank generates responses to its share of the step's prompts
+(rollout), scores them and computes the experience (log-probs, values, KL, rewards, advantages), then
+every rank holds the global experience and `epochs` passes go over it in mini-batches drawn by a seeded
+permutation of the global batch; a mini-batch is one optimizer step of the actor (clipped surrogate) and
+of the critic (clipped value loss), each through the shared Updater: losses are token sums normalised by
+the action tokens of the global mini-batch. GRPO is the same stage with group-relative advantages, no
+critic, and the KL (k3) as a loss term.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
+from llmtrain.losses.kl import KL_ESTIMATORS
+from llmtrain.losses.ppo import (action_logits, action_logps, entropy_from_logits, explained_variance,
+                                policy_loss_terms, value_clipped, value_loss_terms)
+from llmtrain.models.heads import captured_token_scores
+from llmtrain.parallel import all_reduce_max
+from llmtrain.stages.base import RoleSpec, Updater, reduce_sums
+from llmtrain.stages.ppo.experience import Experience, ExperienceSettings, gather_experience, make_experience
+from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, reward_model_scores
+from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
+
+POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss")
+VALUE_STATS = ("value_clipped",)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    epochs: int
+    mini_batch_size: int  # sequences per optimizer step, global
+    clip_eps: float
+    value_clip_eps: float | None
+    value_coef: float
+    entropy_coef: float
+    kl_loss_coef: float  # β of the KL loss term (GRPO); 0 when the KL is in the reward
+    kl_estimator: str
+    temperature: float
+
+
+class PPOStage:
+    name = "ppo"
+    count_name = "samples"
+
+    def __init__(self, roles: dict[str, RoleSpec], tokenizer, *, sampling: SamplingSettings, eval_sampling: SamplingSettings,
+                 experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
+                 reward_function=None, prompts_per_step: int, seed: int):
+        self.roles, self.tokenizer = roles, tokenizer
+        self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
+        self.kl_controller, self.shaping, self.reward_function = kl_controller, shaping, reward_function
+        self.prompts_per_step, self.seed = prompts_per_step, seed
+        self.collate = partial(collate_prompts, pad_token_id=tokenizer.pad_token_id)
+        eos = tokenizer.eos_token_id
+        self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
+
+    # ---- data layout -----------------------------------------------------------------------------
+    def fetch_layout(self, dp_size: int) -> tuple[int, int]:
+        """(prompts per fetch, fetches per step) on each rank: one batch of this rank's share of the prompts."""
+        return self.prompts_per_step // dp_size, 1
+
+    def optimizer_steps_per_step(self) -> int:
+        samples = self.prompts_per_step * self.sampling.n_samples_per_prompt
+        return self.update.epochs * (samples // self.update.mini_batch_size)
+
+    # ---- scores ----------------------------------------------------------------------------------
+    def raw_scores(self, rollout: Rollout, engines: dict) -> torch.Tensor:
+        if self.reward_function is not None:
+            responses = decode_responses(self.tokenizer, rollout, self.eos_ids)
+            scores = call_reward_function(self.reward_function, rollout.prompts, responses, rollout.columns)
+            return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
+        rows = rollout.sequences.shape[0]
+        size = self.experience.micro_batch_size
+        return torch.cat([reward_model_scores(engines["reward"], rollout, slice(i, min(i + size, rows)))
+                          for i in range(0, rows, size)])
+
+    # ---- one iteration ---------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[PromptBatch], engines: dict, updater: Updater) -> dict:
+        actor = engines["actor"]
+        self.iteration = updater.step
+        start = time.perf_counter()
+        rollout = generate(actor, micro_batches[0], self.sampling, pad_token_id=self.tokenizer.pad_token_id,
+                           eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank), group=actor.dp_group)
+        rolled = time.perf_counter()
+        raw = self.raw_scores(rollout, engines)
+        scores = self.shaping.apply(raw, rollout.ended)
+        kl_coef = self.kl_controller.value
+        local = make_experience(rollout, engines, scores, kl_coef, self.experience, group=actor.dp_group)
+        experience = gather_experience(local, actor.dp_group)
+        made = time.perf_counter()
+        metrics = self._rollout_metrics(experience, raw, rollout, actor, kl_coef)
+        self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
+        metrics.update(self._update(experience, engines, updater))
+        done = time.perf_counter()
+        metrics.update(time_rollout_s=rolled - start, time_experience_s=made - rolled, time_update_s=done - made,
+                       time_gather_s=rollout.gather_s, generation_share=(rolled - start) / (done - start),
+                       samples=experience.sequences.shape[0])
+        return metrics
+
+    def _seed(self, purpose: str, dp_rank: int) -> int:
+        salt = {"rollout": 1, "permutation": 2, "eval": 3}[purpose]
+        return (self.seed * 1_000_003 + self.iteration * 7919 + dp_rank * 104_729 + salt) % (2 ** 63)
+
+    def _rollout_metrics(self, exp: Experience, raw: torch.Tensor, rollout: Rollout, actor, kl_coef: float) -> dict:
+        mask = exp.action_mask.float()
+        lengths = mask.sum(-1)  # (N,)
+        kl_seq = (exp.kl * mask).sum(-1)  # (N,)
+        raw_sum, raw_sq = reduce_sums([raw.double().sum(), (raw.double() ** 2).sum()], actor)
+        n = exp.sequences.shape[0]
+        score_mean = raw_sum / n
+        return {"score": score_mean, "score_std": max(raw_sq / n - score_mean ** 2, 0.0) ** 0.5,
+                "reward": (exp.scores - kl_coef * kl_seq).mean().item(), "kl": kl_seq.mean().item(),
+                "kl_token": (kl_seq.sum() / lengths.sum().clamp(min=1)).item(), "kl_coef": kl_coef,
+                "response_len": lengths.mean().item(),
+                "eos_rate": (exp.action_mask.any(-1) & self._ended(exp)).float().mean().item()}
+
+    def _ended(self, exp: Experience) -> torch.Tensor:
+        eos = torch.tensor(self.eos_ids, device=exp.sequences.device)
+        responses = exp.sequences[:, -exp.num_actions:]
+        return (torch.isin(responses, eos) & exp.action_mask).any(-1)
+
+    # ---- the update ------------------------------------------------------------------------------
+    def _update(self, exp: Experience, engines: dict, updater: Updater) -> dict:
+        actor = engines["actor"]
+        critic = engines.get("critic")
+        total = exp.sequences.shape[0]
+        generator = torch.Generator().manual_seed(self._seed("permutation", 0))
+        sums = {"policy_loss": 0.0, "value_loss": 0.0, "tokens": 0, **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
+        first_dev = [0.0]
+        last = None
+        for epoch in range(self.update.epochs):
+            order = torch.randperm(total, generator=generator)
+            for k in range(0, total, self.update.mini_batch_size):
+                chosen = order[k:k + self.update.mini_batch_size][actor.dp_rank::actor.dp_size]
+                mine = exp.select(chosen.to(exp.sequences.device))
+                micro = mine.micro_batches(self.experience.micro_batch_size)
+                tokens = int(mine.action_mask.sum())
+                track = first_dev if epoch == 0 and k == 0 else None
+                last = updater.update(actor, micro, partial(self._policy_loss, first_dev=track), tokens,
+                                      num_stats=len(POLICY_STATS))
+                sums["policy_loss"] += last.loss * last.count
+                sums["tokens"] += last.count
+                for name, value in zip(POLICY_STATS, last.sums):
+                    sums[name] += value
+                if critic is not None:
+                    result = updater.update(critic, micro, partial(self._value_loss, model=critic.model), tokens,
+                                            num_stats=len(VALUE_STATS))
+                    sums["value_loss"] += result.loss * result.count
+                    sums["value_clipped"] += result.sums[0]
+        tokens = max(sums["tokens"], 1)
+        first_ratio_dev = all_reduce_max(torch.tensor([first_dev[0]], dtype=torch.float64), None).item()
+        metrics = {"loss": sums["policy_loss"] / tokens, "policy_loss": sums["policy_loss"] / tokens,
+                   "clip_frac": sums["clipped"] / tokens, "approx_kl": sums["approx_kl"] / tokens,
+                   "entropy": sums["entropy"] / tokens, "first_ratio_dev": first_ratio_dev,
+                   "lr": last.lr, "grad_norm": last.grad_norm}
+        if self.update.kl_loss_coef > 0:
+            metrics["kl_loss"] = sums["kl_loss"] / tokens
+        if critic is not None:
+            metrics.update(value_loss=sums["value_loss"] / tokens, value_clip_frac=sums["value_clipped"] / tokens,
+                           explained_var=float(explained_variance(exp.values, exp.returns, exp.action_mask)))
+        return metrics
+
+    def _policy_loss(self, module, mb: Experience, first_dev: list | None = None):
+        u = self.update
+        full = module(**model_inputs(mb.sequences, mb.attention_mask)).logits  # (b, T, V)
+        logps = action_logps(full, mb.sequences, mb.num_actions, u.temperature)  # (b, A)
+        logits = action_logits(full, mb.num_actions)  # (b, A, V), a view
+        mask = mb.action_mask
+        terms = policy_loss_terms(logps, mb.old_logps, mb.advantages, mask, u.clip_eps)
+        loss = terms.losses.sum()
+        entropy = entropy_from_logits(logits if u.entropy_coef > 0 else logits.detach(), u.temperature) * mask
+        if u.entropy_coef > 0:
+            loss = loss - u.entropy_coef * entropy.sum()
+        kl_loss = KL_ESTIMATORS[u.kl_estimator](logps, mb.ref_logps) * mask
+        if u.kl_loss_coef > 0:
+            loss = loss + u.kl_loss_coef * kl_loss.sum()
+        if first_dev is not None:
+            deviation = ((logps.detach() - mb.old_logps).abs() * mask).max().item() if mask.any() else 0.0
+            first_dev[0] = max(first_dev[0], deviation)
+        stats = torch.stack([terms.clipped.float().sum(), terms.approx_kl.sum(), entropy.detach().sum(),
+                             kl_loss.detach().sum()])
+        return loss, stats
+
+    def _value_loss(self, module, mb: Experience, model: torch.nn.Module):
+        u = self.update
+        with captured_token_scores(model) as captured:  # the score layer of the engine's model
+            module(**model_inputs(mb.sequences, mb.attention_mask))
+        values = captured[-1].float()[:, -mb.num_actions - 1:-1]  # (b, A)
+        losses = value_loss_terms(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
+        clipped = value_clipped(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
+        return u.value_coef * losses.sum(), clipped.float().sum().reshape(1)
+
+    # ---- eval ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches, engines: dict) -> dict:
+        actor = engines["actor"]
+        sums = torch.zeros(4, dtype=torch.float64, device=actor.ctx.device)  # score, exact, length, count
+        for batch in batches:
+            rollout = generate(actor, batch, self.eval_sampling, pad_token_id=self.tokenizer.pad_token_id,
+                               eos_ids=self.eos_ids, seed=self._seed("eval", actor.dp_rank), group=actor.dp_group)
+            scores = self.raw_scores(rollout, engines).double()
+            real = rollout.real.double()
+            exact = torch.zeros_like(real)
+            if REFERENCE in rollout.columns:
+                texts = decode_responses(self.tokenizer, rollout, self.eos_ids)
+                exact = torch.tensor([float(t.strip() == str(r).strip()) for t, r in zip(texts, rollout.columns[REFERENCE])],
+                                     dtype=torch.float64, device=real.device)
+            sums += torch.stack([(scores * real).sum(), (exact * real).sum(),
+                                 (rollout.action_mask.sum(-1).double() * real).sum(), real.sum()])
+        score, exact, length, count = reduce_sums(list(sums), actor)
+        count = max(count, 1)
+        return {"eval_score": score / count, "eval_exact_match": exact / count, "eval_response_len": length / count,
+                "eval_samples": int(count)}
+
+    def state_dict(self) -> dict:
+        return {"kl_controller": self.kl_controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "kl_controller" in state:
+            self.kl_controller.load_state_dict(state["kl_controller"])
