@@ -32,7 +32,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 @torch.no_grad()
 def whiten(values: torch.Tensor, mask: torch.Tensor, group=None, shift_mean: bool = True,
-           eps: float = 1e-8) -> torch.Tensor:
+           eps: float = 1e-8, reduce: bool = True) -> torch.Tensor:
     """(B, A) -> (B, A): (x − mean) / sqrt(var + eps) over the valid tokens of the whole global batch.
 
     One all-reduce (over `group`, default every rank) of [Σx, Σx², count] in float64, so every rank
@@ -44,11 +44,11 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, group=None, shift_mean: boo
     from 1.16 with its PPOTrainer) used the unbiased one, over the local batch. float64 keeps
     E[x²] − E[x]² clear of cancellation. shift_mean=False adds the mean back (TRL's option): only
     the scale is normalised, as for rewards, whose level carries meaning.
-    Masked-out positions come back as 0.
+    Masked-out positions come back as 0. reduce=False: every rank holds the whole global batch already.
     """
     x = values.double()
     stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum().double()])  # (3,)
-    total, total_sq, count = all_reduce_sum(stats, group).unbind()
+    total, total_sq, count = (all_reduce_sum(stats, group) if reduce else stats).unbind()
     count = count.clamp(min=1)
     mean = total / count
     var = (total_sq / count - mean * mean).clamp(min=0)

@@ -1,9 +1,12 @@
 """Experience: everything PPO's update reads about a rollout, computed once, before the update.
 
-B sequences of width T = P + A (P prompt columns, A action columns). Log-probs of the actor (old) and
-the reference come from forwards with the same temperature, position ids and no dropout as the update's
-own, so the first mini-batch of an iteration has ratio exactly 1. Values: V_t from the hidden state
-before action t (the critic's per-token scores `[:, -A-1:-1]`).
+Every rank holds the whole global batch (the rollouts of all dp ranks, gathered, rank r's rows after rank
+r−1's): the update's mini-batches are drawn from it by a seeded permutation. The forwards that make the
+experience (old actor log-probs, reference log-probs, values) run in exactly the micro-batches the first
+epoch of the update will run (the same rows, trimmed the same way) and each rank runs its own share; so
+the first mini-batch's ratio is exactly 1, bit for bit, and the results are summed over ranks (each row is
+computed by one rank). Log-probs of the actor and the reference take the same temperature, position ids
+and no dropout as the update's own. Values: V_t from the hidden state before action t (`[:, -A-1:-1]`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, to
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import action_logps
 from llmtrain.models.heads import captured_token_scores
-from llmtrain.parallel import all_gather_rows
+from llmtrain.parallel import all_gather_rows, all_reduce_sum
 from llmtrain.stages.ppo.rollout import Rollout, model_inputs
 
 
@@ -34,6 +37,16 @@ class Experience:
     scores: torch.Tensor  # (B,) fp32: the shaped score of each sequence
     kl: torch.Tensor  # (B, A) fp32: the per-token KL estimate in the reward (0 off the mask)
 
+    @classmethod
+    def of_rollout(cls, rollout: Rollout, scores: torch.Tensor) -> "Experience":
+        """The rollout's tensors with every computed field still zero."""
+        def zeros() -> torch.Tensor:
+            return torch.zeros(rollout.action_mask.shape, device=rollout.sequences.device)
+
+        return cls(sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
+                   old_logps=zeros(), ref_logps=zeros(), values=zeros(), token_rewards=zeros(), advantages=zeros(),
+                   returns=zeros(), scores=scores.float(), kl=zeros())
+
     @property
     def num_actions(self) -> int:
         return self.action_mask.shape[1]
@@ -42,10 +55,10 @@ class Experience:
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
     def trimmed(self) -> "Experience":
-        """The same rows without the columns no row uses: left prompt padding and right response padding."""
+        """The same rows without the columns none of them uses: left prompt padding, right response padding."""
+        width = self.sequences.shape[1]
         used = self.attention_mask.bool().any(0)  # (T,)
         first = int(used.nonzero()[0]) if used.any() else 0
-        width = self.sequences.shape[1]
         last_action = int(self.action_mask.any(0).nonzero()[-1]) + 1 if self.action_mask.any() else 1
         cut = self.num_actions - last_action  # response columns after every row's last action
         values = {}
@@ -59,16 +72,22 @@ class Experience:
                 values[f.name] = tensor
         return Experience(**values)
 
-    def micro_batches(self, size: int) -> list["Experience"]:
-        rows = self.sequences.shape[0]
-        return [self.select(torch.arange(i, min(i + size, rows), device=self.sequences.device)).trimmed()
-                for i in range(0, rows, size)]
 
-
-def gather_experience(local: Experience, group=None) -> Experience:
-    """Every dp rank's experience, in rank order (rank r's rows r·B .. (r+1)·B − 1), on every rank: the
-    update's mini-batches are drawn from the global batch. Widths agree across ranks already (rollout)."""
+def gather_rollout(rollout: Rollout, scores: torch.Tensor, group=None) -> Experience:
+    """Every dp rank's rollout and scores, in rank order, on every rank (widths agree across ranks already)."""
+    local = Experience.of_rollout(rollout, scores)
     return Experience(**{f.name: all_gather_rows(getattr(local, f.name), group) for f in fields(local)})
+
+
+def update_layout(order: torch.Tensor, mini_batch_size: int, micro_batch_size: int, dp_rank: int,
+                  dp_size: int) -> list[list[torch.Tensor]]:
+    """For one epoch's permutation `order` of the global rows: per mini-batch, this rank's micro-batches (row
+    indices). A mini-batch is `mini_batch_size` consecutive entries of `order`; rank r takes every dp-th."""
+    layout = []
+    for k in range(0, len(order), mini_batch_size):
+        mine = order[k:k + mini_batch_size][dp_rank::dp_size]
+        layout.append([mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)])
+    return layout
 
 
 @dataclass(frozen=True)
@@ -84,49 +103,47 @@ class ExperienceSettings:
     micro_batch_size: int
 
 
-def _chunks(rows: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
-
-
 @torch.no_grad()
-def policy_logps(engine, rollout: Rollout, rows: slice, temperature: float) -> torch.Tensor:
-    sequences, mask = rollout.sequences[rows], rollout.attention_mask[rows]
+def policy_logps(engine, mb: Experience, temperature: float) -> torch.Tensor:
+    """(b, A) fp32 log-probs of the actions under the engine's model (0 off the mask)."""
     with engine.autocast():
-        logits = engine.module(**model_inputs(sequences, mask)).logits  # (b, T, V)
-    return action_logps(logits, sequences, rollout.num_actions, temperature) * rollout.action_mask[rows]
+        logits = engine.module(**model_inputs(mb.sequences, mb.attention_mask)).logits  # (b, T, V)
+    return action_logps(logits, mb.sequences, mb.num_actions, temperature) * mb.action_mask
 
 
-@torch.no_grad()
-def critic_values(engine, rollout: Rollout, rows: slice) -> torch.Tensor:
-    sequences, mask = rollout.sequences[rows], rollout.attention_mask[rows]
-    with engine.autocast(), captured_token_scores(engine.model) as captured:
-        engine.module(**model_inputs(sequences, mask))
-    values = captured[-1].float()[:, -rollout.num_actions - 1:-1]  # (b, A): V_t from the state before action t
-    return values * rollout.action_mask[rows]
+def values_of(model: torch.nn.Module, forward, mb: Experience) -> torch.Tensor:
+    """(b, A) fp32 V_t from the critic's per-token scores at the state before each action (0 off the mask)."""
+    with captured_token_scores(model) as captured:
+        forward(**model_inputs(mb.sequences, mb.attention_mask))
+    return captured[-1].float()[:, -mb.num_actions - 1:-1] * mb.action_mask
 
 
-def make_experience(rollout: Rollout, engines: dict, scores: torch.Tensor, kl_coef: float,
+def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Tensor], kl_coef: float,
                     settings: ExperienceSettings, group=None) -> Experience:
-    """`scores` (B,): the shaped scores. Forwards run in micro-batches; every rank runs as many (sharded
-    engines gather in each forward)."""
+    """Fill `exp` (the gathered rollout with its scores): this rank's forwards over `micro_batches` (the rows of
+    the first epoch's micro-batches on this rank, in order), summed over ranks, then KL, rewards, advantages."""
     for name in ("actor", "reference", "critic"):
         if name in engines:
             engines[name].module.eval()
-    parts = _chunks(rollout.sequences.shape[0], settings.micro_batch_size)
-    old = torch.cat([policy_logps(engines["actor"], rollout, rows, settings.temperature) for rows in parts])
-    ref = torch.cat([policy_logps(engines["reference"], rollout, rows, settings.temperature) for rows in parts])
-    mask = rollout.action_mask
-    if "critic" in engines:
-        values = torch.cat([critic_values(engines["critic"], rollout, rows) for rows in parts])
-    else:
-        values = torch.zeros_like(old)
+    old, ref, values = (torch.zeros_like(exp.old_logps) for _ in range(3))
+    for rows in micro_batches:
+        mb = exp.select(rows).trimmed()
+        width = mb.num_actions
+        old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature)
+        ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature)
+        if "critic" in engines:
+            critic = engines["critic"]
+            with torch.no_grad(), critic.autocast():
+                values[rows, :width] = values_of(critic.model, critic.module, mb)
+    old, ref, values = all_reduce_sum(torch.stack([old, ref, values]), group).unbind()  # each row from one rank
+    mask = exp.action_mask
     kl = KL_ESTIMATORS[settings.kl_estimator](old, ref) * mask  # (B, A)
-    rewards = token_rewards(kl, scores, mask, kl_coef if settings.kl_in_reward else 0.0)
+    rewards = token_rewards(kl, exp.scores, mask, kl_coef if settings.kl_in_reward else 0.0)
     advantages, returns = ADVANTAGE_ESTIMATORS[settings.advantage](AdvantageInputs(
-        token_rewards=rewards, values=values if "critic" in engines else None, mask=mask, scores=scores,
+        token_rewards=rewards, values=values if "critic" in engines else None, mask=mask, scores=exp.scores,
         group_size=settings.group_size, gamma=settings.gamma, lam=settings.lam))
     if settings.whiten_advantages:
-        advantages = whiten(advantages, mask, group=group)
-    return Experience(sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
-                      old_logps=old, ref_logps=ref, values=values, token_rewards=rewards, advantages=advantages,
-                      returns=torch.zeros_like(old) if returns is None else returns, scores=scores, kl=kl)
+        advantages = whiten(advantages, mask, reduce=False)  # the batch is global on every rank
+    return Experience(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=mask, old_logps=old,
+                      ref_logps=ref, values=values, token_rewards=rewards, advantages=advantages,
+                      returns=torch.zeros_like(old) if returns is None else returns, scores=exp.scores, kl=kl)

@@ -21,10 +21,10 @@ from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (action_logits, action_logps, entropy_from_logits, explained_variance,
                                 policy_loss_terms, value_clipped, value_loss_terms)
-from llmtrain.models.heads import captured_token_scores
 from llmtrain.parallel import all_reduce_max
 from llmtrain.stages.base import RoleSpec, Updater, reduce_sums
-from llmtrain.stages.ppo.experience import Experience, ExperienceSettings, gather_experience, make_experience
+from llmtrain.stages.ppo.experience import (Experience, ExperienceSettings, gather_rollout, make_experience,
+                                            update_layout, values_of)
 from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, reward_model_scores
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
 
@@ -90,14 +90,15 @@ class PPOStage:
                            eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank), group=actor.dp_group)
         rolled = time.perf_counter()
         raw = self.raw_scores(rollout, engines)
-        scores = self.shaping.apply(raw, rollout.ended)
+        gathered = gather_rollout(rollout, self.shaping.apply(raw, rollout.ended), actor.dp_group)
+        layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
-        local = make_experience(rollout, engines, scores, kl_coef, self.experience, group=actor.dp_group)
-        experience = gather_experience(local, actor.dp_group)
+        first_epoch = [rows for mini_batch in layouts[0] for rows in mini_batch]
+        experience = make_experience(gathered, engines, first_epoch, kl_coef, self.experience, group=actor.dp_group)
         made = time.perf_counter()
-        metrics = self._rollout_metrics(experience, raw, rollout, actor, kl_coef)
+        metrics = self._rollout_metrics(experience, raw, actor, kl_coef)
         self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
-        metrics.update(self._update(experience, engines, updater))
+        metrics.update(self._update(experience, engines, updater, layouts))
         done = time.perf_counter()
         metrics.update(time_rollout_s=rolled - start, time_experience_s=made - rolled, time_update_s=done - made,
                        time_gather_s=rollout.gather_s, generation_share=(rolled - start) / (done - start),
@@ -108,7 +109,15 @@ class PPOStage:
         salt = {"rollout": 1, "permutation": 2, "eval": 3}[purpose]
         return (self.seed * 1_000_003 + self.iteration * 7919 + dp_rank * 104_729 + salt) % (2 ** 63)
 
-    def _rollout_metrics(self, exp: Experience, raw: torch.Tensor, rollout: Rollout, actor, kl_coef: float) -> dict:
+    def _layouts(self, total: int, actor) -> list[list[list[torch.Tensor]]]:
+        """Each epoch's seeded permutation of the global batch, cut into this rank's micro-batches per mini-batch."""
+        generator = torch.Generator().manual_seed(self._seed("permutation", 0))  # the same on every rank
+        device = actor.ctx.device
+        return [update_layout(torch.randperm(total, generator=generator).to(device), self.update.mini_batch_size,
+                              self.experience.micro_batch_size, actor.dp_rank, actor.dp_size)
+                for _ in range(self.update.epochs)]
+
+    def _rollout_metrics(self, exp: Experience, raw: torch.Tensor, actor, kl_coef: float) -> dict:
         mask = exp.action_mask.float()
         lengths = mask.sum(-1)  # (N,)
         kl_seq = (exp.kl * mask).sum(-1)  # (N,)
@@ -127,21 +136,16 @@ class PPOStage:
         return (torch.isin(responses, eos) & exp.action_mask).any(-1)
 
     # ---- the update ------------------------------------------------------------------------------
-    def _update(self, exp: Experience, engines: dict, updater: Updater) -> dict:
+    def _update(self, exp: Experience, engines: dict, updater: Updater, layouts: list) -> dict:
         actor = engines["actor"]
         critic = engines.get("critic")
-        total = exp.sequences.shape[0]
-        generator = torch.Generator().manual_seed(self._seed("permutation", 0))
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "tokens": 0, **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
         first_dev = [0.0]
         last = None
-        for epoch in range(self.update.epochs):
-            order = torch.randperm(total, generator=generator)
-            for k in range(0, total, self.update.mini_batch_size):
-                chosen = order[k:k + self.update.mini_batch_size][actor.dp_rank::actor.dp_size]
-                mine = exp.select(chosen.to(exp.sequences.device))
-                micro = mine.micro_batches(self.experience.micro_batch_size)
-                tokens = int(mine.action_mask.sum())
+        for epoch, layout in enumerate(layouts):
+            for k, micro_rows in enumerate(layout):
+                micro = [exp.select(rows).trimmed() for rows in micro_rows]
+                tokens = sum(int(mb.action_mask.sum()) for mb in micro)
                 track = first_dev if epoch == 0 and k == 0 else None
                 last = updater.update(actor, micro, partial(self._policy_loss, first_dev=track), tokens,
                                       num_stats=len(POLICY_STATS))
@@ -190,9 +194,7 @@ class PPOStage:
 
     def _value_loss(self, module, mb: Experience, model: torch.nn.Module):
         u = self.update
-        with captured_token_scores(model) as captured:  # the score layer of the engine's model
-            module(**model_inputs(mb.sequences, mb.attention_mask))
-        values = captured[-1].float()[:, -mb.num_actions - 1:-1]  # (b, A)
+        values = values_of(model, module, mb)  # (b, A): the engine's model holds the score layer
         losses = value_loss_terms(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         clipped = value_clipped(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         return u.value_coef * losses.sum(), clipped.float().sum().reshape(1)
