@@ -297,8 +297,11 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
         layouts = [layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)]
     rows = plan_rows(st, layouts)
     lines = [*header(st), "per rank, GiB (comm: GB sent per rank per step, ring; step at plan.mfu="
-             f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states)",
+             f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states; "
+             "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
+    lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
+              "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]
     if len(st.roles) > 1 or not cfg.plan.compare_backends:
         lines += [f"{r.layout.name}: {roles_summary(st, r)}" for r in rows]
     for r in rows:
