@@ -319,11 +319,11 @@ def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
     facts = model_facts(cfg)
     gpu = resolve_gpu(cfg.plan, device.type, world)
     layout = layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)
-    row = plan_row(setting(cfg, world, gpu, precision, facts), layout)
+    st = setting(cfg, world, gpu, precision, facts)
+    row = plan_row(st, layout)
     dp, stage = data_parallel_size(cfg.backend, world), layout.stage
     state = planned_model_state_bytes(num_params=facts.params, stage=stage, dp=dp,
                                       mixed_precision=precision in ("bf16", "fp16"))
-    st = setting(cfg, world, gpu, precision, facts)
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
              f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "
