@@ -223,6 +223,19 @@ class PeftConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`python -m llmtrain.plan` (and dry_run=true): the cluster to predict cost on; the run's `device` is untouched."""
+    world_size: Optional[int] = None  # ranks to plan for; null: the current world (WORLD_SIZE, else 1)
+    gpu: Optional[str] = None  # a100-40gb | a100-80gb | h100-80gb | h200 | rtx-4090 | cpu | any name with the two below;
+    # null: this machine's device
+    peak_tflops: Optional[float] = None  # dense 16-bit peak per device (overrides the table's)
+    memory_gb: Optional[float] = None  # device memory in GiB (overrides the table's)
+    link_gb_per_s: Optional[float] = None  # per-rank collective bandwidth, GB/s one way (overrides the table's)
+    mfu: float = 0.4  # compute efficiency the step time assumes (model FLOPs / peak while computing)
+    compare_backends: bool = False  # one table, a row per backend (ddp, zero1..3, zero3_offload, fsdp2, fsdp2_tp)
+
+
+@dataclass
 class RunConfig:
     recipe: str = ""
     output_dir: Optional[str] = None  # default: runs/<recipe>
@@ -241,6 +254,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_schema() -> None:

@@ -16,15 +16,13 @@ from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import PAIR_STAGES, RL_STAGES, ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
-from llmtrain.metrics.flops import human, training_flops_per_token
-from llmtrain.metrics.memory import planned_model_state_bytes
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.lora import LoraSettings
-from llmtrain.models.load import count_parameters, load_tokenizer, model_config, resolve_attn_implementation
+from llmtrain.models.load import load_tokenizer, model_config, resolve_attn_implementation
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
-from llmtrain.stages import build_stage, stage_roles
+from llmtrain.stages import build_stage
 from llmtrain.stages.base import trainable_roles
 from llmtrain.trainer import Trainer, TrainerSettings
 
@@ -62,47 +60,11 @@ def batch_arithmetic(cfg: DictConfig, world: int) -> str:
             f"{cfg.data.max_seq_len})")
 
 
-def _local_vocab_size(tokenizer_source: str | None, trust_remote_code: bool) -> int | None:
-    """The tokenizer's size when it is on disk (cheap, no weights); None for a hub id offline."""
-    if tokenizer_source is None or not Path(tokenizer_source).is_dir():
-        return None
-    return len(load_tokenizer(tokenizer_source, trust_remote_code))
-
-
 def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: str) -> str:
-    m = cfg.model
-    vocab = _local_vocab_size(m.tokenizer or m.name_or_path, m.trust_remote_code)
-    arch = model_config(m.name_or_path, m.from_config, m.config_path, m.trust_remote_code, vocab_size=vocab)
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-        params = count_parameters(AutoModelForCausalLM.from_config(arch))
-    seq_len = cfg.data.max_seq_len
-    dp = data_parallel_size(cfg.backend, world)
-    stage = {"ddp": 0, "fsdp2": 3}.get(cfg.backend.name, cfg.backend.zero_stage)
-    state_bytes = planned_model_state_bytes(num_params=params, stage=stage, dp=dp,
-                                            mixed_precision=precision in ("bf16", "fp16"))
-    flops_per_token = training_flops_per_token(params, arch.num_hidden_layers, arch.hidden_size, seq_len)
-    lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
-             f"on {device.type}, world {world}",
-             f"model {m.name_or_path or arch.model_type}: {params / 1e6:,.1f}M parameters "
-             f"(L={arch.num_hidden_layers}, h={arch.hidden_size}, heads={arch.num_attention_heads}, "
-             f"vocab={arch.vocab_size})",
-             f"training FLOPs ≈ 6·M + 12·L·h·s = {human(flops_per_token, 'FLOP')} per token at s={seq_len}",
-             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}) ≈ "
-             f"{human(state_bytes, 'B', 1024)} per rank per trainable role (activations not included)",
-             roles_line(cfg.stage.name, params, stage=stage, dp=dp, precision=precision),
-             batch_arithmetic(cfg, world),
-             f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}"]
-    return "\n".join(lines)
+    """The dry-run summary and the planner's table for this world (llmtrain/plan.py)."""
+    from llmtrain.plan import describe_run
 
-
-def roles_line(stage_name: str, params: int, *, stage: int, dp: int, precision: str) -> str:
-    """The stage's roles; a frozen one holds its weights only, in the compute dtype, sharded under ZeRO-3/FSDP2."""
-    roles = stage_roles(stage_name)
-    weight_bytes = params * (2 if precision in ("bf16", "fp16") else 4) / (dp if stage == 3 else 1)
-    described = [f"{role} (trainable)" if trainable else f"{role} (frozen: weights only ≈ "
-                 f"{human(weight_bytes, 'B', 1024)} per rank)" for role, trainable in roles.items()]
-    return f"roles: {', '.join(described)}"
+    return describe_run(cfg, world, device, precision)
 
 
 def check_backend_against_model(cfg: DictConfig, world: int) -> None:

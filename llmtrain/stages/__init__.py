@@ -27,8 +27,13 @@ ROLES = {"pretrain": {"policy": True}, "sft": {"policy": True}, "reward": {"rewa
          "grpo": {"actor": True, "reference": False}}
 
 
-def stage_roles(name: str) -> dict[str, bool]:
-    return ROLES[name]
+def stage_roles(name: str, cfg=None) -> dict[str, bool]:
+    """{role: trainable}; with the config, PPO's roles as this run builds them (stages/ppo/build.ppo_roles)."""
+    if cfg is None or name not in ("ppo", "grpo"):
+        return ROLES[name]
+    from llmtrain.stages.ppo.build import ppo_roles
+
+    return {role: spec.trainable for role, spec in ppo_roles(cfg, model_source(cfg.model)).items()}
 
 
 def build_stage(cfg, tokenizer, attn_implementation: str):

@@ -149,22 +149,30 @@ def test_export_from_zero3_shards_round_trips(runs):
         torch.testing.assert_close(param, shards[name], rtol=1e-4, atol=1e-5)
 
 
-def expected_bytes(model_dir: Path, stage: int, dp: int = 2) -> dict[str, float]:
-    """docs/formulas.md, fp32 (4M weights + 4M grads + 8M Adam, sharded per stage) + DeepSpeed's fp32 master
-    partition (4M/N) + ZeRO-3's whole persistent parameters (4P, "auto" threshold 10·h); accumulation 2."""
+def expected_bytes(model_dir: Path, stage: int, dp: int = 2, offload: bool = False) -> dict[str, float]:
+    """The planner's figures (llmtrain/metrics/cost.py, what `python -m llmtrain.plan` prints): fp32 weights,
+    DeepSpeed's fp32 master partition (4M/N), gradients, Adam; ZeRO-3 keeps its persistent parameters whole
+    ("auto" threshold 10·h); accumulation 2; `host`: what offload moves off the device."""
     from transformers import AutoModelForCausalLM
+
+    from llmtrain.metrics.cost import Layout, RoleParams, state_bytes
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     numels, threshold = [p.numel() for p in model.parameters()], 10 * model.config.hidden_size
-    m, p = sum(numels), sum(n for n in numels if n <= threshold)
-    return {"params": 4 * (m / dp + p) if stage == 3 else 4 * m, "master": 4 * m / dp,
-            "grads": 4 * m if stage == 1 else 4 * m / dp, "optim": 8 * m / dp}
+    placement = "cpu" if offload else "none"
+    layout = Layout(name="zero", library="deepspeed", stage=stage, dp=dp, offload_optimizer=placement,
+                    offload_param=placement, persistence_threshold=threshold)
+    role = RoleParams(trainable=sum(numels), persistent=sum(n for n in numels if n <= threshold) if stage == 3 else 0)
+    planned = state_bytes(role, layout, "fp32", grad_accum_steps=2)
+    return {"params": planned.weights, "master": planned.master, "grads": planned.grads, "optim": planned.optim,
+            "host": planned.host}
 
 
 @pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3_offload", 3)])
 def test_model_state_bytes_match_the_formula(runs, tiny_model_dir, name, stage):
     first = read_metrics(runs(name))[0][0]
-    expected = expected_bytes(tiny_model_dir, stage)
+    expected = expected_bytes(tiny_model_dir, stage, offload=name == "zero3_offload")
+    host = expected.pop("host")
     for rank in (0, 1):
         for role, value in expected.items():
             measured = first[f"memory_r{rank}_{role}_bytes"]
@@ -174,8 +182,23 @@ def test_model_state_bytes_match_the_formula(runs, tiny_model_dir, name, stage):
         total = sum(expected.values())
         assert abs(first[f"memory_r{rank}_total_bytes"] - total) <= 0.05 * total
     # offload: fp32 master, Adam state, gradient and weight partitions are the host's (4+8+4+4)·M/N
-    host = 5 * expected["master"] if name == "zero3_offload" else 0
+    assert host == (5 * expected["master"] if name == "zero3_offload" else 0)
     assert abs(first["memory_r0_host_bytes"] - host) <= 0.05 * host
+
+
+def test_ddp_model_state_bytes_match_the_plan(runs, tiny_model_dir):
+    """DDP (fp32, 2 ranks, accumulation 2): weights, gradients and Adam state as the planner predicts them."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.metrics.cost import Layout, RoleParams, state_bytes
+
+    m = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    planned = state_bytes(RoleParams(trainable=m), Layout(name="ddp", library="ddp", stage=0, dp=2), "fp32", 2)
+    first = read_metrics(runs("ddp"))[0][0]
+    for rank in (0, 1):
+        for key, value in (("params", planned.weights), ("grads", planned.grads), ("optimizer", planned.optim)):
+            measured = first[f"memory_r{rank}_{key}"]
+            assert abs(measured - value) <= 0.05 * value, f"rank {rank} {key}: {measured} vs {value}"
 
 
 def _run_bad(tmp_path, *overrides):

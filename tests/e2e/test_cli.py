@@ -229,7 +229,8 @@ def test_installed_package_runs_from_anywhere(tmp_path):
     # the plan of the shipped recipe: 2-layer Llama, h=128, GQA 4/2 heads, MLP 384, vocab 263, untied, by hand
     h, kv, mlp, vocab = 128, 64, 384, 263
     params = 2 * (2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h) + 2 * vocab * h + h
-    assert result.stdout.splitlines() == [
+    lines = result.stdout.splitlines()
+    assert lines[:8] == [
         "recipe sft_tiny: stage sft, backend ddp, precision fp32 on cpu, world 1",
         f"model llama: {params / 1e6:,.1f}M parameters (L=2, h=128, heads=4, vocab=263)",
         "training FLOPs ≈ 6·M + 12·L·h·s = 3.0 MFLOP per token at s=64",
@@ -237,7 +238,9 @@ def test_installed_package_runs_from_anywhere(tmp_path):
         "trainable role (activations not included)",
         "roles: policy (trainable)",
         "global batch 32 rows = micro_batch_size 32 × grad_accum_steps 1 × dp 1 (≤ 2048 tokens at max_seq_len 64)",
-        "500 steps, output_dir runs/sft_tiny"]
+        "500 steps, output_dir runs/sft_tiny", ""]
+    assert lines[8].startswith("plan: 1 × cpu")  # then the planner's
+    assert any(line.startswith("ddp: fits at micro-batch 32 ") for line in lines)
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
     assert (target / "llmtrain" / "_recipes" / "sft_7b.yaml").is_file()
     assert (target / "llmtrain" / "assets" / "tokenizer" / "tokenizer.json").is_file()

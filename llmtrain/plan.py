@@ -1,0 +1,374 @@
+"""`python -m llmtrain.plan recipe=NAME [plan.world_size=8 plan.gpu=h100-80gb plan.compare_backends=true] ...`:
+what a run would cost per rank on a cluster, from the resolved config and the model on the meta device (no
+weights, seconds). `dry_run=true` of `python -m llmtrain` prints the same for the current world.
+
+Per role (`stages.stage_roles`) and backend: weights, gradients, optimizer state, gathered copies
+(`metrics/cost.py`, as each backend really holds them), activations and logits at the micro-batch, the total
+against the device memory, the largest micro-batch that fits, communication per step and the step time at
+`plan.mfu`. FLOPs convention: M counts every parameter, the input embedding (a lookup, no matmul: an
+overestimate of 6·V·h per token) and the LM head included; 12·L·h·s for the attention products, no causal
+halving. docs/formulas.md, "The planner", has every formula.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+from llmtrain.config import PAIR_STAGES, ConfigError
+from llmtrain.metrics.cost import (GIB, Collective, Layout, RoleParams, StateBytes, activation_bytes,
+                                   activation_bytes_per_layer, communication, logits_bytes, state_bytes, step_seconds)
+from llmtrain.metrics.devices import Gpu, resolve_gpu
+from llmtrain.metrics.flops import human, training_flops_per_token
+from llmtrain.metrics.memory import planned_model_state_bytes
+from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
+
+COMPARED = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_tp")
+USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets, fragmentation take the rest
+
+
+def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int) -> RoleParams:
+    """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen.
+    The numbers only: metrics/cost.py takes any (trainable, frozen) pair, so a LoRA counter elsewhere plugs in."""
+    t, f = (lora, facts.params) if trainable and lora else (facts.params, 0) if trainable else (0, facts.params)
+    persistent = sum(n for n in facts.numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
+    root = facts.params - facts.layers * facts.block  # embeddings, final norm, head: FSDP2's root group
+    working = 2 * facts.block + (root if layout.library == "fsdp2" else max(facts.embed, facts.head))
+    return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=facts.tp_params / facts.params,
+                      working=working)
+
+
+def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
+    """A Layout from a backend config node; ConfigError when its degrees do not fit the world."""
+    from llmtrain.parallel import ParallelDims
+
+    dims = ParallelDims.from_backend(backend, world)
+    ds = backend.name == "deepspeed"
+    threshold = backend.stage3_param_persistence_threshold
+    return Layout(name=name, library=backend.name,
+                  stage={"ddp": 0, "fsdp2": 3}.get(backend.name, backend.zero_stage), dp=dims.dp_size, tp=dims.tp,
+                  offload_optimizer=backend.offload_optimizer.device if ds else "none",
+                  offload_param=backend.offload_param.device if ds else ("cpu" if backend.cpu_offload else "none"),
+                  persistence_threshold=(10 * hidden if threshold == "auto" else int(threshold)) if ds else 0)
+
+
+def row_name(backend) -> str:
+    if backend.name != "deepspeed":
+        return "fsdp2_tp" if backend.name == "fsdp2" and backend.tp > 1 else backend.name
+    offload = backend.offload_optimizer.device != "none" or backend.offload_param.device != "none"
+    return f"zero{backend.zero_stage}" + ("_offload" if offload else "")
+
+
+def preset_backends() -> dict:
+    """The shipped presets compared (conf/backend/NAME.yaml composed onto the schema)."""
+    from hydra import compose, initialize_config_dir
+
+    from llmtrain.compose import conf_dir
+    from llmtrain.config import register_schema
+
+    register_schema()
+    with initialize_config_dir(str(conf_dir()), version_base=None):
+        return {name: compose("config", overrides=[f"backend={name}"]).backend for name in COMPARED}
+
+
+@dataclass
+class Setting:
+    """Everything a row needs besides the layout."""
+    facts: ModelFacts
+    roles: dict[str, bool]  # role -> trainable
+    lora: int
+    precision: str
+    gpu: Gpu
+    world: int
+    micro: int
+    accum: int
+    seq: int
+    rows_per_sample: int  # 2 for pair stages (chosen and rejected in one forward)
+    checkpointing: bool
+    scores: bool  # eager attention stores the (b, a, s, s) scores
+    mfu: float
+    logits_vocab: int  # V, or 1 for a reward model's score
+
+
+@dataclass
+class Row:
+    layout: Layout
+    states: dict[str, StateBytes]
+    activations: float
+    logits: float
+    device_bytes: float
+    fits: bool
+    max_micro: int
+    comm: list[Collective] = field(default_factory=list)
+    times: dict[str, float] | None = None
+    textbook: float = 0.0
+
+
+def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
+    """(activations, logits) per rank of every trainable role at micro-batch b."""
+    rows, elem = b * st.rows_per_sample, 2 if st.precision in ("bf16", "fp16") else 4
+    f = st.facts
+    trainable = sum(st.roles.values())
+    act = activation_bytes(rows, st.seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
+                           tp=layout.tp, elem=elem, scores=st.scores)
+    return trainable * act, trainable * logits_bytes(rows, st.seq, st.logits_vocab)
+
+
+def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 << 16) -> int:
+    """The largest b with fixed + per_micro(b) <= usable (0: not even 1); doubling, then bisection."""
+    if fixed + per_micro(1) > usable:
+        return 0
+    low, high = 1, 2
+    while high <= limit and fixed + per_micro(high) <= usable:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fixed + per_micro(mid) <= usable else (low, mid)
+    return low
+
+
+def plan_row(st: Setting, layout: Layout) -> Row:
+    f, on_gpu = st.facts, st.gpu.name != "cpu"
+    states = {role: state_bytes(role_params(f, layout, trainable, st.lora), layout, st.precision, st.accum, on_gpu)
+              for role, trainable in st.roles.items()}
+    fixed = sum(s.device for s in states.values())
+    act, logit = _per_micro(st, layout, st.micro)
+    usable = st.gpu.memory_gib * GIB * USABLE
+    device = fixed + act + logit
+    tokens = st.micro * st.seq * st.rows_per_sample
+    comm = [c for role, trainable in st.roles.items()
+            for c in communication(role_params(f, layout, trainable, st.lora), layout, st.precision, accum=st.accum,
+                                   tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers,
+                                   checkpointing=st.checkpointing, on_gpu=on_gpu)]
+    times = None
+    if st.gpu.peak_tflops:
+        model, hardware = step_flops(st, layout)
+        times = step_seconds(hardware / st.world, comm, peak_flops=st.gpu.peak_tflops * 1e12, mfu=st.mfu,
+                             link_bytes_per_s=st.gpu.link_gb_per_s * 1e9)
+        times["mfu"] = model / st.world / (times["step_s"] * st.gpu.peak_tflops * 1e12)
+    textbook = sum(planned_model_state_bytes(num_params=st.lora or f.params, stage=layout.stage, dp=layout.dp,
+                                             mixed_precision=st.precision in ("bf16", "fp16"))
+                   for trainable in st.roles.values() if trainable)
+    return Row(layout, states, act, logit, device, device <= usable,
+               largest_micro_batch(fixed, lambda b: sum(_per_micro(st, layout, b)), usable), comm, times, textbook)
+
+
+def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one optimizer step over all ranks: 6·M + 12·L·h·s per token per trainable
+    role, 2·M + 4·L·h·s per frozen one (forward only); checkpointing adds one forward of the blocks to hardware."""
+    f = st.facts
+    tokens = st.micro * st.accum * layout.dp * st.seq * st.rows_per_sample
+    train = training_flops_per_token(f.params, f.layers, f.hidden, st.seq)
+    trainable = sum(st.roles.values())
+    model = tokens * (trainable * train + (len(st.roles) - trainable) * train / 3)
+    recompute = tokens * trainable * (2 * f.layers * f.block + 4 * f.layers * f.hidden * st.seq)
+    return model, model + (recompute if st.checkpointing else 0.0)
+
+
+def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
+    from llmtrain.stages import stage_roles
+
+    attn = cfg.model.attn_implementation
+    return Setting(facts=facts, roles=dict(stage_roles(cfg.stage.name, cfg)), lora=lora_trainable(cfg),
+                   precision=precision, gpu=gpu, world=world, micro=cfg.trainer.micro_batch_size,
+                   accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
+                   rows_per_sample=2 if cfg.stage.name in PAIR_STAGES else 1,
+                   checkpointing=cfg.model.activation_checkpointing, scores=attn == "eager", mfu=cfg.plan.mfu,
+                   logits_vocab=1 if cfg.stage.name == "reward" else facts.vocab)
+
+
+def _size(value: float) -> str:
+    """GiB with three significant digits (a tiny model's MiB show as 0.00x)."""
+    return f"{value / GIB:.3g}"
+
+
+COLUMNS = ("backend", "weights", "grads", "optim", "gathered", "activ.", "logits", "total", "fits", "max micro",
+           "off-device", "comm GB", "step s", "MFU", "formula")
+
+
+def row_cells(row: Row, memory_gib: float) -> list[str]:
+    s = row.states.values()
+    off = sum(x.host + x.nvme for x in s)
+    t = row.times
+    return [row.layout.name, _size(sum(x.weights for x in s)), _size(sum(x.grads for x in s)),
+            _size(sum(x.master + x.optim for x in s)), _size(sum(x.gathered for x in s)), _size(row.activations),
+            _size(row.logits), _size(row.device_bytes), f"{'yes' if row.fits else 'NO'} ({memory_gib:.0f})",
+            str(row.max_micro), _size(off) if off else "-", f"{sum(c.wire for c in row.comm) / 1e9:.3g}",
+            f"{t['step_s']:.3g}" if t else "n/a", f"{t['mfu']:.0%}" if t else "n/a", _size(row.textbook)]
+
+
+def table(rows: list[Row], gpu: Gpu) -> str:
+    """One line per backend: rich's table when rich is installed, else aligned plain text."""
+    cells = [row_cells(r, gpu.memory_gib) for r in rows]
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover - rich is a dependency; plain text keeps the planner usable without it
+        widths = [max(len(c[i]) for c in [list(COLUMNS), *cells]) for i in range(len(COLUMNS))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [list(COLUMNS), *cells])
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in COLUMNS:
+        grid.add_column(name, justify="left" if name == "backend" else "right")
+    for line in cells:
+        grid.add_row(*line)
+    console = Console(file=io.StringIO(), width=200, color_system=None, force_terminal=False)
+    console.print(grid)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines() if line.strip())
+
+
+def header(st: Setting) -> list[str]:
+    f, g = st.facts, st.gpu
+    h, L, s, V = f.hidden, f.layers, st.seq, f.vocab
+    estimate = 12 * L * h * h + 13 * L * h + V * h * (1 if f.head == 0 else 2)
+    elem = 2 if st.precision in ("bf16", "fp16") else 4
+    per_layer = activation_bytes_per_layer(st.micro * st.rows_per_sample, s, h, f.heads, elem=elem, scores=st.scores)
+    peak = f"{g.peak_tflops:g} TFLOP/s dense bf16" if g.peak_tflops else "no peak (tokens/s, not MFU)"
+    lines = [
+        f"plan: {st.world} × {g.name} ({g.memory_gib:.1f} GiB, {peak}, link {g.link_gb_per_s:g} GB/s), "
+        f"precision {st.precision}, micro-batch {st.micro}{' pairs' if st.rows_per_sample == 2 else ''} × "
+        f"accumulation {st.accum}, s={s}, activation checkpointing {'on' if st.checkpointing else 'off'}",
+        f"parameters {f.params:,} (exact, meta device); cross-check 12·L·h² + 13·L·h + V·h{'' if f.head == 0 else '·2'}"
+        f" = {estimate:,} ({(estimate - f.params) / f.params:+.1%}: SwiGLU / GQA / RMSNorm blocks differ from GPT's)",
+        f"FLOPs per token 6·M + 12·L·h·s = {human(training_flops_per_token(f.params, L, h, s), 'FLOP')} "
+        "(M: every parameter, input embedding and LM head included; no causal halving)"
+        + (f"; + {human(2 * L * f.block + 4 * L * h * s, 'FLOP')} recompute (hardware FLOPs)" if st.checkpointing else ""),
+        f"activations per layer {_size(per_layer)} GiB (34·b·s·h{' + 5·b·a·s²' if st.scores else ''}, "
+        f"{'eager attention stores the scores' if st.scores else '5·b·a·s² dropped: sdpa/flash/flex keep no (b,a,s,s) scores'}"
+        f"); logits b·s·V·4 = {_size(logits_bytes(st.micro * st.rows_per_sample, s, st.logits_vocab))} GiB",
+    ]
+    if st.lora:
+        lines.append(f"LoRA: {st.lora:,} trainable adapter parameters; the {f.params:,} of the base frozen (weights only)")
+    return lines
+
+
+def roles_summary(st: Setting, row: Row) -> str:
+    """The stage's roles; a frozen role holds its weights only (sharded under ZeRO-3/FSDP2)."""
+    return "roles: " + ", ".join(f"{role} (trainable)" if st.roles[role] else
+                                 f"{role} (frozen: weights only ≈ {human(s.device, 'B', 1024)} per rank)"
+                                 for role, s in row.states.items())
+
+
+def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
+    return [plan_row(st, layout) for layout in layouts]
+
+
+def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts) -> tuple[list[Layout], list[str]]:
+    """Every preset that fits this world and model, and a note per one that does not."""
+    from llmtrain.config import backend_config_problems, peft_problems
+
+    layouts, notes = [], []
+    for name, backend in preset_backends().items():
+        problems = backend_config_problems(backend, world) + peft_problems(cfg.peft, backend)
+        if not problems and backend.name == "fsdp2" and backend.tp > 1:
+            problems = _tp_problems(backend, world, facts)
+        if problems:
+            notes.append(f"{name}: left out ({'; '.join(problems)})")
+            continue
+        layouts.append(layout_of(name, backend, world, facts.hidden))
+    return layouts, notes
+
+
+def _tp_problems(backend, world: int, facts: ModelFacts) -> list[str]:
+    from llmtrain.parallel import ParallelDims
+
+    if not facts.tp_params:
+        return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
+    return ParallelDims.from_backend(backend, world).model_problems(
+        model_type=facts.model_type, num_heads=facts.heads, num_kv_heads=facts.kv_heads,
+        intermediate_size=facts.intermediate)
+
+
+def plan_precision(cfg: DictConfig, gpu: Gpu) -> str:
+    return cfg.precision if cfg.precision != "auto" else ("fp32" if gpu.name == "cpu" else "bf16")
+
+
+def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts | None = None) -> list[str]:
+    """The planner's lines: header, one table (the run's backend, or every preset with plan.compare_backends)."""
+    facts = facts or model_facts(cfg)
+    st = setting(cfg, world, gpu, precision, facts)
+    notes: list[str] = []
+    if cfg.plan.compare_backends:
+        layouts, notes = compared_layouts(cfg, world, facts)
+    else:
+        layouts = [layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)]
+    rows = plan_rows(st, layouts)
+    lines = [*header(st), "per rank, GiB (comm: GB sent per rank per step, ring; step at plan.mfu="
+             f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states; "
+             "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
+             table(rows, gpu), *notes]
+    lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
+              "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]
+    if len(st.roles) > 1 or not cfg.plan.compare_backends:
+        lines += [f"{r.layout.name}: {roles_summary(st, r)}" for r in rows]
+    for r in rows:
+        lines.append(f"{r.layout.name}: {'fits' if r.fits else 'does NOT fit'} at micro-batch {st.micro} "
+                     f"({_size(r.device_bytes)} of {gpu.memory_gib:.1f} GiB, {USABLE:.0%} usable); "
+                     f"largest micro-batch that fits {r.max_micro}")
+    return lines
+
+
+def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
+    """dry_run=true: the run's own summary lines, then the plan of its backend on this world and device."""
+    from llmtrain.config import data_parallel_size
+    from llmtrain.run import batch_arithmetic
+
+    facts = model_facts(cfg)
+    gpu = resolve_gpu(cfg.plan, device.type, world)
+    layout = layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)
+    st = setting(cfg, world, gpu, precision, facts)
+    row = plan_row(st, layout)
+    dp, stage = data_parallel_size(cfg.backend, world), layout.stage
+    state = planned_model_state_bytes(num_params=facts.params, stage=stage, dp=dp,
+                                      mixed_precision=precision in ("bf16", "fp16"))
+    lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
+             f"on {device.type}, world {world}",
+             f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "
+             f"heads={facts.heads}, vocab={facts.vocab})",
+             f"training FLOPs ≈ 6·M + 12·L·h·s = "
+             f"{human(training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq), 'FLOP')} per token "
+             f"at s={st.seq}",
+             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}) ≈ "
+             f"{human(state, 'B', 1024)} per rank per trainable role (activations not included)",
+             roles_summary(st, row), batch_arithmetic(cfg, world),
+             f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}", ""]
+    return "\n".join(lines + describe(cfg, world, gpu, precision, facts))
+
+
+def plan_text(cfg: DictConfig) -> str:
+    """`python -m llmtrain.plan`: validate for the planned world, then the plan."""
+    from llmtrain.config import validate
+    from llmtrain.parallel import env_world_size, resolve_device
+    from llmtrain.run import check_backend_against_model
+
+    world = cfg.plan.world_size or env_world_size()
+    if world < 1:
+        raise ConfigError(f"plan.world_size={world} must be >= 1 (the number of ranks to plan for)")
+    if not 0 < cfg.plan.mfu <= 1:
+        raise ConfigError(f"plan.mfu={cfg.plan.mfu} must be in (0, 1] (typical 0.3-0.5)")
+    validate(cfg, world)
+    check_backend_against_model(cfg, world)
+    gpu = resolve_gpu(cfg.plan, resolve_device(cfg.device).type, world)
+    return "\n".join(describe(cfg, world, gpu, plan_precision(cfg, gpu)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llmtrain.compose import compose_config
+
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    try:
+        print(plan_text(compose_config(args)), flush=True)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"llmtrain.plan: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The planner (llmtrain/plan.py, llmtrain/metrics/cost.py) against hand computations: the ZeRO paper's seed
+figures, what each backend holds, activations, communication, FLOPs and MFU, the fit verdict and micro-batch
+search, the device table, and the command on the shipped sft_7b recipe (meta device, no weights)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from llmtrain.compose import compose_config
+from llmtrain.config import ConfigError
+from llmtrain.metrics.cost import (GB, GIB, Layout, RoleParams, activation_bytes, activation_bytes_per_layer,
+                                   communication, logits_bytes, state_bytes)
+from llmtrain.metrics.devices import GPUS, resolve_gpu
+from llmtrain.models.facts import ModelFacts
+from llmtrain.plan import COMPARED, Setting, plan_row, plan_text, step_flops
+from tests.conftest import REPO, cli_env
+
+SFT_7B_8XH100 = ["recipe=sft_7b", "plan.world_size=8", "plan.gpu=h100-80gb"]
+
+
+def facts(params: int, *, layers: int = 24, hidden: int = 1024, heads: int = 16, vocab: int = 50_000) -> ModelFacts:
+    """Hand-made counts (no model): one block = 12h², the rest embedding and head."""
+    block = 12 * hidden * hidden
+    return ModelFacts(label="hand", params=params, numels=(params,), layers=layers, hidden=hidden, heads=heads,
+                      kv_heads=heads, vocab=vocab, intermediate=4 * hidden, block=block, embed=vocab * hidden,
+                      head=0, tp_params=0, model_type="llama")
+
+
+def setting(f: ModelFacts, *, world: int, micro: int = 1, accum: int = 1, seq: int = 1024, precision: str = "bf16",
+            gpu: str = "h100-80gb", roles: dict | None = None, checkpointing: bool = False) -> Setting:
+    return Setting(facts=f, roles=roles or {"policy": True}, lora=0, precision=precision, gpu=GPUS[gpu], world=world,
+                   micro=micro, accum=accum, seq=seq, rows_per_sample=1, checkpointing=checkpointing, scores=False,
+                   mfu=0.4, logits_vocab=f.vocab)
+
+
+def zero(stage: int, dp: int, **kw) -> Layout:
+    return Layout(name=f"zero{stage}", library="deepspeed", stage=stage, dp=dp, **kw)
+
+
+DDP = {"name": "ddp", "library": "ddp", "stage": 0}
+
+
+# ---- model states -------------------------------------------------------------------------------
+
+def test_the_zero_papers_seed_figures():
+    """7.5B parameters, N = 64, mixed-precision Adam: 120 / 31.4 / 16.6 / 1.9 GB per GPU (GB = 1e9 bytes)."""
+    f = facts(7_500_000_000)
+    layouts = [Layout(dp=64, **DDP), zero(1, 64), zero(2, 64), zero(3, 64)]
+    rows = [plan_row(setting(f, world=64), layout) for layout in layouts]
+    assert [round(r.textbook / GB, 1) for r in rows] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_what_deepspeed_holds_in_fp32_hand_computed():
+    """M = 1000, N = 4, fp32: DeepSpeed keeps an fp32 master partition (4M/N) even though the weights are fp32;
+    ZeRO-3 keeps P = 100 persistent parameters whole; accumulation makes ZeRO-1's gradients whole."""
+    r = RoleParams(trainable=1000, persistent=100, working=300)
+    z1 = state_bytes(r, zero(1, 4), "fp32", grad_accum_steps=2)
+    assert (z1.weights, z1.master, z1.grads, z1.optim, z1.gathered) == (4000, 1000, 4000, 2000, 0)
+    assert state_bytes(r, zero(1, 4), "fp32", grad_accum_steps=1).grads == 1000
+    z2 = state_bytes(r, zero(2, 4), "fp32", grad_accum_steps=2)
+    assert (z2.weights, z2.master, z2.grads, z2.optim) == (4000, 1000, 1000, 2000)
+    z3 = state_bytes(r, zero(3, 4), "fp32")
+    assert (z3.weights, z3.master, z3.grads, z3.optim, z3.gathered) == (4 * (250 + 100), 1000, 1000, 2000, 1200)
+    z0 = state_bytes(r, zero(0, 4), "fp32")
+    assert (z0.weights, z0.master, z0.grads, z0.optim) == (4000, 0, 4000, 8000)  # our AdamW unwrapped: no master
+
+
+def test_what_each_backend_holds_under_bf16_hand_computed():
+    r = RoleParams(trainable=1000, working=300)
+    ddp = state_bytes(r, Layout(dp=4, **DDP), "bf16")  # fp32 weights + autocast's cached bf16 copy
+    assert (ddp.weights, ddp.grads, ddp.optim, ddp.gathered) == (4000, 4000, 8000, 2000)
+    z0 = state_bytes(r, zero(0, 4), "bf16")  # bf16 weights and grads, whole fp32 master
+    assert (z0.weights, z0.master, z0.grads, z0.optim) == (2000, 4000, 2000, 8000)
+    z1 = state_bytes(r, zero(1, 4), "bf16")  # BF16_Optimizer: one whole fp32 gradient buffer
+    assert (z1.weights, z1.master, z1.grads, z1.optim) == (2000, 1000, 4000, 2000)
+    z3 = state_bytes(r, zero(3, 4), "bf16")  # 2M/N + 4M/N + 4M/N + 8M/N = 18M/N, not the textbook 16M/N
+    assert z3.held - z3.gathered == 18 * 1000 / 4
+    fsdp = state_bytes(r, Layout(name="fsdp2", library="fsdp2", stage=3, dp=4), "bf16")
+    assert (fsdp.weights, fsdp.master, fsdp.grads, fsdp.optim, fsdp.gathered) == (1000, 0, 1000, 2000, 600)
+    accum = state_bytes(r, Layout(name="fsdp2", library="fsdp2", stage=3, dp=4), "bf16", grad_accum_steps=2)
+    assert (accum.grads, accum.gathered) == (4000, 2000)  # no_sync keeps gradients and weights unsharded
+
+
+def test_offload_frozen_roles_and_lora():
+    r = RoleParams(trainable=1000, working=300)
+    off = state_bytes(r, zero(3, 4, offload_optimizer="cpu", offload_param="nvme"), "fp32")
+    assert (off.host, off.nvme) == (1000 + 2000 + 1000, 1000)  # master + Adam + grads on the host, weights on NVMe
+    assert off.device == off.held - 5000
+    frozen = RoleParams(trainable=0, frozen=1000, working=300)
+    assert state_bytes(frozen, zero(3, 4), "bf16").held == 2 * 1000 / 4 + 2 * 300  # compute dtype, sharded
+    assert state_bytes(frozen, zero(2, 4), "bf16").held == 2000
+    assert state_bytes(frozen, Layout(dp=4, **DDP), "bf16").held == 4000  # DDP keeps a frozen role in fp32
+    lora = state_bytes(RoleParams(trainable=10, frozen=1000), Layout(dp=4, **DDP), "fp32")
+    assert (lora.weights, lora.grads, lora.optim) == (4 * 1010, 40, 80)  # the base: weights only
+
+
+# ---- activations, logits, FLOPs -----------------------------------------------------------------
+
+def test_activations_and_logits_by_hand():
+    b, s, h, a, layers = 2, 1024, 1024, 16, 24
+    assert activation_bytes_per_layer(b, s, h, a) == 34 * b * s * h + 5 * b * a * s * s
+    assert activation_bytes_per_layer(b, s, h, a, scores=False) == 34 * b * s * h  # sdpa/flash: no scores kept
+    assert activation_bytes_per_layer(b, s, h, a, tp=2, scores=False) == b * s * h * (10 + 12)
+    full = activation_bytes(b, s, h, a, layers, checkpointing=False)
+    recompute = activation_bytes(b, s, h, a, layers, checkpointing=True)
+    assert full == layers * (34 * b * s * h + 5 * b * a * s * s) + 2 * s * b * h
+    assert recompute == layers * 2 * s * b * h + (34 * b * s * h + 5 * b * a * s * s) + 2 * s * b * h
+    assert logits_bytes(b, s, 32_000) == b * s * 32_000 * 4
+
+
+def test_flops_and_the_34_percent_mfu_example():
+    """docs/formulas.md: L=24, h=1024, s=1024, b=48 per device, accumulation 2, DP 4 (RTX 4090, 165 TFLOP/s):
+    103.9 TFLOP per device per micro-step, 831 TFLOP per step, 0.27 steps/s -> MFU ≈ 34 %."""
+    layers, h, s = 24, 1024, 1024
+    f = dataclasses.replace(facts(12 * layers * h * h, layers=layers, hidden=h), vocab=0)
+    st = setting(f, world=4, micro=48, accum=2, seq=s, gpu="rtx-4090")
+    model, hardware = step_flops(st, Layout(dp=4, **DDP))
+    assert round(model / 4 / 2 / 1e12, 1) == 103.9 and round(model / 1e12) == 831 and hardware == model
+    assert round(model * 0.27 / (4 * 165e12), 2) == 0.34
+    _, recomputed = step_flops(dataclasses.replace(st, checkpointing=True), Layout(dp=4, **DDP))
+    assert recomputed == pytest.approx(model + 48 * 2 * 4 * s * layers * (2 * f.block + 4 * h * s))
+
+
+# ---- communication ------------------------------------------------------------------------------
+
+def test_communication_per_step_against_the_formulas():
+    """Ring bytes per rank: DDP and ZeRO-1/2 2Ψ, ZeRO-3 3Ψ (elements × bytes × (N-1)/N); TP 4 all-reduces a block."""
+    m, n = 1000, 8
+    ring = (n - 1) / n
+
+    def wire(layout, precision="fp32", **kw):
+        args = dict(accum=1, tokens_per_micro=64, hidden=16, layers=2, checkpointing=False) | kw
+        return sum(c.wire for c in communication(RoleParams(trainable=m), layout, precision, **args))
+
+    assert wire(Layout(dp=n, **DDP)) == pytest.approx(2 * m * 4 * ring)
+    assert wire(zero(1, n)) == pytest.approx(2 * m * 4 * ring) == wire(zero(2, n))
+    assert wire(zero(3, n)) == pytest.approx(3 * m * 4 * ring)
+    assert wire(zero(2, n), accum=4) == pytest.approx(5 * m * 4 * ring)  # ZeRO-2 reduces every micro-batch
+    assert wire(zero(3, n), "bf16") == pytest.approx((2 + 2 + 4) * m * ring)  # bf16 gathers, fp32 gradients
+    tp = Layout(name="fsdp2_tp", library="fsdp2", stage=3, dp=1, tp=2)
+    assert wire(tp, "bf16") == pytest.approx(4 * 2 * 2 * 64 * 16 * 2 * (2 - 1) / 2)  # 4 per block, L=2
+
+
+# ---- verdict, micro-batch search, devices, the command -------------------------------------------
+
+def test_a_7b_does_not_fit_ddp_on_a_4090_and_the_search_finds_the_edge():
+    f = facts(7_000_000_000, layers=32, hidden=4096, heads=32, vocab=32_000)
+    row = plan_row(setting(f, world=8, micro=1, gpu="rtx-4090"), Layout(dp=8, **DDP))
+    assert not row.fits and row.max_micro == 0 and row.device_bytes > 16 * 7e9
+    st = setting(f, world=8, micro=1, seq=2048, checkpointing=True)
+    best = plan_row(st, zero(3, 8)).max_micro
+    usable = GPUS["h100-80gb"].memory_gib * GIB * 0.92
+    assert best > 1
+    assert plan_row(dataclasses.replace(st, micro=best), zero(3, 8)).device_bytes <= usable
+    assert plan_row(dataclasses.replace(st, micro=best + 1), zero(3, 8)).device_bytes > usable
+
+
+def test_unknown_gpu_names_the_known_ones_and_custom_devices_work():
+    plan = compose_config(["recipe=sft_tiny", "plan.gpu=b300"]).plan
+    with pytest.raises(ConfigError, match=r"plan.gpu='b300' is not a known device \(a100-40gb, a100-80gb, h100-80gb, "
+                                          r"h200, rtx-4090, cpu\).*plan.peak_tflops"):
+        resolve_gpu(plan)
+    custom = resolve_gpu(compose_config(["recipe=sft_tiny", "plan.gpu=b300", "plan.peak_tflops=2250",
+                                         "plan.memory_gb=270"]).plan)
+    assert (custom.peak_tflops, custom.memory_gib) == (2250, 270)
+    assert resolve_gpu(compose_config(["recipe=sft_tiny", "plan.gpu=H200"]).plan).memory_gib == 140.4
+
+
+def test_compare_backends_on_sft_7b_has_one_row_and_a_verdict_per_backend():
+    text = plan_text(compose_config([*SFT_7B_8XH100, "plan.compare_backends=true"]))
+    table = [line.split()[0] for line in text.splitlines() if line.split() and line.split()[0] in COMPARED]
+    assert table == list(COMPARED)  # fsdp2_tp too: tp=2 divides Llama-2's 32 heads and 11008
+    for name in COMPARED:
+        assert sum(line.startswith(f"{name}: fits") or line.startswith(f"{name}: does NOT fit")
+                   for line in text.splitlines()) == 1, name
+    assert "parameters 6,738,415,616 (exact" in text and "ddp: does NOT fit" in text and "zero3: fits" in text
+    readme = (REPO / "README.md").read_text().split("## Plan before you run", 1)[1].split("## ", 1)[0]
+    assert [line.split() for line in readme.splitlines() if line.split()[:1] and line.split()[0] in COMPARED] == \
+        [line.split() for line in text.splitlines() if line.startswith(" ") and line.split()[0] in COMPARED]
+    alone = plan_text(compose_config([*SFT_7B_8XH100, "plan.world_size=1", "plan.compare_backends=true"]))
+    assert "fsdp2_tp: left out" in alone  # tp=2 cannot fit one rank
+
+
+def test_the_command_runs_in_seconds_without_weights():
+    result = subprocess.run([sys.executable, "-m", "llmtrain.plan", *SFT_7B_8XH100, "backend=zero3"], cwd=REPO,
+                            env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "zero3: fits at micro-batch 4" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "llmtrain.plan", "recipe=sft_tiny", "plan.gpu=nope"], cwd=REPO,
+                         env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "plan.gpu='nope'" in bad.stderr
