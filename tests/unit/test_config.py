@@ -33,8 +33,10 @@ def group_options():
 @pytest.mark.parametrize("group,option", group_options())
 def test_every_group_option_composes(group, option):
     pairs = ["data.packing=false"]
+    rl = ["data=reverse", "ppo.reward.function=llmtrain.rewards.reversal:score", *pairs]
     extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"],
-                       "reward": ["data=reverse_prefs", *pairs], "dpo": ["data=reverse_prefs_easy", *pairs]},
+                       "reward": ["data=reverse_prefs", *pairs], "dpo": ["data=reverse_prefs_easy", *pairs],
+                       "ppo": rl, "grpo": rl},
              "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"], "reverse_prefs": ["stage=reward", *pairs],
                       "reverse_prefs_easy": ["stage=dpo", *pairs], "hh_rlhf": ["stage=reward", *pairs]}}
     overrides = [o for o in extra.get(group, {}).get(option, []) if not o.startswith("override")]
