@@ -1,0 +1,116 @@
+"""PPO and GRPO under torchrun (gloo, 2 CPU ranks): every backend generates, scores and updates; the updates of
+ZeRO-2, ZeRO-3 and FSDP2 equal DDP's; the first ratio of every iteration is exactly 1; resume is bitwise.
+
+Every run starts from the tiny SFT base (`${base:sft_tiny}`), trains 4 iterations of 8 prompts (8 new tokens at
+most; PPO 1 sample per prompt, GRPO 4) in mini-batches of 4 sequences, 2 epochs, micro-batches of 2, fp32, and
+saves at iteration 2. The sampling RNG is seeded from (seed, step, dp rank), so every backend draws the same tokens
+as long as its logits agree. Each named run runs once, on first use, and serves several tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+
+pytestmark = pytest.mark.dist
+
+DATA = REPO / "llmtrain" / "assets" / "data"
+SHORT = ["trainer.max_steps=4", "trainer.save_every_n_steps=2", "trainer.keep_last_k=3", "trainer.eval_every_n_steps=4",
+         "trainer.eval_batch_size=8", "trainer.log_every_n_steps=0", "trainer.micro_batch_size=2",
+         "ppo.rollout.max_new_tokens=8", "ppo.rollout.eval_max_new_tokens=8", "ppo.mini_batch_size=4", "ppo.epochs=2"]
+STAGES = {"ppo": ["recipe=ppo_tiny", "ppo.rollout.prompts_per_step=8"],
+          "grpo": ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=2", "ppo.rollout.n_samples_per_prompt=4"]}
+BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
+COMPARED = ("score", "reward", "kl", "policy_loss", "grad_norm", "approx_kl", "entropy")
+
+
+def assert_close_series(ours: list[dict], reference: list[dict], key: str, rel: float, atol: float = 1e-6) -> None:
+    """Per step |a − b| ≤ rel·|b| + atol: KL and approx_kl are small differences of log-probs (near-cancelling
+    sums), so an absolute floor next to the relative bound."""
+    assert len(ours) == len(reference)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        assert abs(a[key] - b[key]) <= rel * abs(b[key]) + atol, f"step {i + 1} {key}: {a[key]} vs {b[key]}"
+
+
+class Runs:
+    def __init__(self, root: Path, eval_file: Path):
+        self.root, self.eval_file, self.done = root, eval_file, {}
+
+    def get(self, stage: str, backend: str, *extra: str, tag: str = "") -> Path:
+        name = f"{stage}_{backend}{tag}"
+        if name not in self.done:
+            args = [*STAGES[stage], *SHORT, f"data.eval_files=[{self.eval_file}]", *BACKENDS[backend], *extra,
+                    f"output_dir={self.root / name}"]
+            self.done[name] = run_cli(args, nproc=2)
+        assert_ok(self.done[name])
+        return self.root / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    root = tmp_path_factory.mktemp("ppo")
+    eval_file = root / "eval.jsonl"
+    eval_file.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(True)[:16]))
+    return Runs(root, eval_file)
+
+
+@pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
+def test_ppo_update_parity_with_ddp(runs, backend):
+    """Same prompts, same seeds: the rollouts, scores, KL and the actor's and critic's updates agree with DDP."""
+    ours, reference = read_metrics(runs.get("ppo", backend))[0], read_metrics(runs.get("ppo", "ddp"))[0]
+    assert [r["samples"] for r in ours] == [8] * 4
+    for key in (*COMPARED, "value_loss"):
+        assert_close_series(ours, reference, key, rel=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["zero3", "fsdp2"])
+def test_grpo_update_parity_with_ddp(runs, backend):
+    ours, reference = read_metrics(runs.get("grpo", backend))[0], read_metrics(runs.get("grpo", "ddp"))[0]
+    assert [r["samples"] for r in ours] == [8] * 4
+    for key in (*COMPARED, "kl_loss"):
+        assert_close_series(ours, reference, key, rel=1e-4)
+
+
+@pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "ddp")])
+def test_first_ratio_of_every_iteration_is_exactly_one(runs, stage, backend):
+    """The experience's log-probs come from the same micro-batches the first mini-batch trains on."""
+    train = read_metrics(runs.get(stage, backend))[0]
+    assert [r["first_ratio_dev"] for r in train] == [0.0] * 4
+    assert train[0]["kl"] == 0.0  # the reference is the initial actor
+
+
+@pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "zero2")])
+def test_bitwise_resume(runs, stage, backend):
+    """4 iterations straight vs the iteration-2 checkpoint resumed in fresh processes: identical rollouts, scores,
+    losses (actor, critic, their optimizers, the KL controller, RNG, the prompt position all come back)."""
+    straight = runs.get(stage, backend)
+    resumed = runs.get(stage, backend, f"resume={straight}/checkpoints/step_2", tag="_resumed")
+    reference, continued = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in continued[0]] == [3, 4]
+
+    def logged(record):  # everything but timings and the memory report (measured once per process)
+        return {k: v for k, v in record.items() if not k.endswith("_s") and "memory" not in k
+                and k not in ("samples_per_s", "generation_share")}
+
+    assert [logged(r) for r in continued[0]] == [logged(r) for r in reference[0][2:]]
+    assert continued[1][-1]["eval_score"] == reference[1][-1]["eval_score"]
+    stage_state = json.loads((straight / "checkpoints" / "step_2" / "stage.json").read_text())
+    assert "kl_controller" in stage_state
+
+
+def test_checkpoints_and_exports_hold_each_role(runs):
+    run = runs.get("ppo", "zero3")
+    engines = run / "checkpoints" / "step_4" / "engines"
+    assert sorted(p.name for p in engines.iterdir()) == ["actor", "critic", "reference"]
+    assert (engines / "reference" / "frozen.json").is_file()
+    actor = AutoModelForCausalLM.from_pretrained(run / "hf")
+    critic = AutoModelForSequenceClassification.from_pretrained(run / "critic_hf")
+    assert actor.config.architectures[0].endswith("ForCausalLM") and critic.config.num_labels == 1
+    evals = read_metrics(run)[1]
+    assert [e["step"] for e in evals] == [0, 4] and evals[-1]["eval_samples"] == 16
+    assert 0.0 <= evals[-1]["eval_exact_match"] <= 1.0

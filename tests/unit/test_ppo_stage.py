@@ -1,0 +1,167 @@
+"""PPO's host-side pieces in one process: action masks, left padding, prompt data, reward functions and shaping,
+the update layout, trimming, the config's rules and the reversal reward."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from llmtrain.config import ConfigError, validate
+from llmtrain.compose import compose_config
+from llmtrain.data.prompts import build_prompts, collate_prompts, split_row
+from llmtrain.rewards.reversal import score as reversal_score
+from llmtrain.stages.ppo.experience import Experience, update_layout
+from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, last_action_positions, load_reward_function
+from llmtrain.stages.ppo.rollout import Rollout, model_inputs, up_to_first_eos
+from tests.conftest import TOKENIZER_DIR
+
+EOS = 2
+
+
+def test_action_mask_keeps_the_first_eos_even_when_pad_is_eos():
+    generated = torch.tensor([[5, 6, EOS, EOS, EOS],  # pad == eos after the real EOS
+                              [5, EOS, 7, 8, EOS],  # tokens after the first EOS are not actions
+                              [5, 6, 7, 8, 9]])  # cut at max_new_tokens: every token is an action
+    mask = up_to_first_eos(generated, torch.tensor([EOS]))
+    assert mask.tolist() == [[True, True, True, False, False], [True, True, False, False, False], [True] * 5]
+    assert (generated != EOS).tolist()[0] != mask.tolist()[0]  # what `seq != pad` would have dropped: the EOS
+
+
+def test_left_padded_forward_equals_the_unpadded_one():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    short, long = torch.randint(3, 64, (1, 4)), torch.randint(3, 64, (1, 7))
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        padded = model(**model_inputs(batch, mask)).logits
+        alone = model(short).logits
+    assert torch.allclose(padded[0, 3:], alone[0], atol=1e-5)
+    assert not padded.isnan().any()
+
+
+def test_last_action_positions_point_at_each_rows_eos():
+    actions = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
+    sequences = torch.zeros(3, 5, dtype=torch.long)
+    rollout = Rollout(sequences, torch.ones(3, 5, dtype=torch.long), actions, torch.ones(3, dtype=torch.bool), [], {},
+                      torch.ones(3, dtype=torch.bool))
+    assert last_action_positions(rollout).tolist() == [0 * 5 + 2 + 1, 1 * 5 + 2 + 2, 2 * 5 + 2 + 0]
+
+
+def test_prompt_data_keeps_the_raw_prompt_and_the_other_columns(tmp_path):
+    import datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    tokenizer.pad_token = tokenizer.eos_token
+    rows = datasets.Dataset.from_list([{"prompt": "reverse: ab\n", "response": "ba", "level": 1},
+                                       {"prompt": "reverse: " + "x" * 80 + "\n", "response": "x", "level": 2}])
+    examples, stats = build_prompts(rows, tokenizer, "prompt_response", max_prompt_len=32)
+    assert (stats.samples_in, stats.samples_out, stats.dropped_overlong) == (2, 1, 1)
+    item = examples[0]
+    assert item["prompt"] == "reverse: ab\n" and item["columns"] == {"response": "ba", "level": 1}
+    assert item["prompt_ids"][0] == tokenizer.bos_token_id  # encoded as the SFT stage encodes a prompt
+    batch = collate_prompts([item, {**item, "prompt_ids": item["prompt_ids"][:3]}], tokenizer.pad_token_id)
+    assert batch.attention_mask[1].tolist()[-3:] == [1, 1, 1] and batch.attention_mask[1, 0] == 0  # left padding
+    assert batch.columns == {"level": [1, 1], "response": ["ba", "ba"]}
+
+
+def test_messages_rows_give_the_turns_before_the_last_answer_as_the_prompt():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    prompt, columns = split_row({"messages": messages, "id": 3}, "messages")
+    assert prompt == messages[:1] and columns == {"id": 3, "response": "hello"}
+
+
+def test_reward_function_gets_named_columns_or_all_of_them():
+    def named(prompts, responses, answer):
+        return [float(r == a) for r, a in zip(responses, answer)]
+
+    def everything(prompts, responses, **columns):
+        return [float(len(columns))] * len(responses)
+
+    columns = {"answer": ["a", "b"], "other": [1, 2]}
+    assert call_reward_function(named, ["p", "q"], ["a", "x"], columns) == [1.0, 0.0]
+    assert call_reward_function(everything, ["p", "q"], ["a", "x"], columns) == [2.0, 2.0]
+    with pytest.raises(ValueError, match="returned 1 scores for 2"):
+        call_reward_function(lambda p, r: [0.0], ["p", "q"], ["a", "x"], {})
+    with pytest.raises(ValueError, match="non-finite"):
+        call_reward_function(lambda p, r: [0.0, math.nan], ["p", "q"], ["a", "x"], {})
+
+
+def test_reward_function_is_imported_by_module_and_attribute(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def score(prompts, responses, **columns):
+            return [1.0 for _ in responses]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward_function("my_rewards:score")(["p"], ["r"]) == [1.0]
+    for spec, message in [("my_rewards", "module:attribute"), ("no_such_module_xyz:score", "cannot import"),
+                          ("my_rewards:missing", "no callable")]:
+        with pytest.raises(ConfigError, match=message):
+            load_reward_function(spec)
+    sys.modules.pop("my_rewards", None)
+
+
+def test_score_shaping_normalises_clips_and_penalises_a_missing_eos():
+    shaping = ScoreShaping(clip=1.0, statistics=(2.0, 0.5), missing_eos_penalty=-0.25)
+    scores = shaping.apply(torch.tensor([2.5, 0.0, 2.0]), ended=torch.tensor([True, True, False]))
+    assert scores.tolist() == [1.0, -1.0, -0.25]  # (2.5-2)/0.5 = 1; (0-2)/0.5 = -4 -> -1; 0 - 0.25
+
+
+def test_update_layout_covers_each_mini_batch_once_across_ranks():
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    per_rank = [update_layout(order, mini_batch_size=8, micro_batch_size=2, dp_rank=r, dp_size=2) for r in range(2)]
+    for k in range(2):
+        rows = torch.cat([torch.cat(per_rank[r][k]) for r in range(2)])
+        assert sorted(rows.tolist()) == sorted(order[8 * k:8 * (k + 1)].tolist())
+        assert all(len(micro) == 2 for r in range(2) for micro in per_rank[r][k])
+
+
+def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
+    sequences = torch.arange(2 * 9).view(2, 9)
+    attention = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0]])
+    actions = torch.tensor([[True, True, True, False, False], [True, True, False, False, False]])
+    zeros = torch.zeros(2, 5)
+    exp = Experience(sequences, attention, actions, zeros, zeros, zeros, zeros, zeros, zeros, torch.zeros(2), zeros)
+    trimmed = exp.trimmed()
+    assert trimmed.num_actions == 3 and trimmed.sequences.shape == (2, 6)  # 1 left column, 2 right columns cut
+    assert torch.equal(trimmed.sequences[:, -3:], sequences[:, 4:7])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["stage=grpo", "ppo.advantage=gae"], "ppo.advantage='gae' must be grpo"),
+    (["ppo.reward.function=null"], "exactly one of ppo.reward.model"),
+    (["ppo.reward.model=/somewhere"], "exactly one of ppo.reward.model"),
+    (["ppo.reward.function=nocolon"], "must be module:attribute"),
+    (["ppo.advantage=grpo"], "n_samples_per_prompt=1 must be >= 2"),
+    (["ppo.rollout.temperature=0"], "ppo.rollout.temperature=0.0 must be > 0"),
+    (["model.dropout=0.1"], "model.dropout=0.1 must be 0"),
+    (["model.attn_implementation=sdpa_segments"], "ignores padding masks"),
+    (["trainer.grad_accum_steps=2"], "trainer.grad_accum_steps=2 must be 1"),
+    (["ppo.mini_batch_size=48"], "ppo.mini_batch_size=48"),
+    (["ppo.critic.init=reward"], "ppo.critic.init=reward"),
+    (["ppo.reward.normalize=true"], "ppo.reward.normalize=true"),
+    (["data=reverse_prefs"], "data.format='preference'"),
+    (["backend=fsdp2_tp"], "backend.tp=2"),
+])
+def test_bad_ppo_configs_name_the_field_and_the_fix(overrides, message):
+    cfg = compose_config(["recipe=ppo_tiny", *overrides])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate(cfg, world_size=2)
+
+
+def test_prompts_per_step_must_split_over_the_data_parallel_ranks():
+    cfg = compose_config(["recipe=ppo_tiny", "ppo.rollout.prompts_per_step=5"])
+    with pytest.raises(ConfigError, match="prompts_per_step=5 must be a positive multiple of the data-parallel size 2"):
+        validate(cfg, world_size=2)
+
+
+def test_reversal_reward():
+    assert reversal_score(["reverse: abc\n"] * 3, ["cba", "cbx", "cbaaa"]) == [1.0, 0.5 * 2 / 3, 0.5 * 3 / 5]
+    assert reversal_score(["reverse: abc\n"], ["xyz"], response=["xyz"]) == [1.0]  # the reference column wins
