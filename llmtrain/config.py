@@ -244,14 +244,16 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += _source_problems(cfg)
     problems += backend_config_problems(cfg.backend, world_size)
     problems += stage_problems(cfg)
-    problems += peft_problems(cfg.peft, cfg.backend)
+    problems += peft_problems(cfg.peft, cfg.backend, cfg.stage.name)
     return problems
 
 
 OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
+# Stages whose frozen reference is, under peft=lora, the policy with its adapters disabled (RoleSpec.adapter_off_of).
+ADAPTER_REFERENCE_STAGES = {"dpo", "ppo", "grpo"}
 
 
-def peft_problems(peft: Any, backend: Any) -> list[str]:
+def peft_problems(peft: Any, backend: Any, stage: str = "") -> list[str]:
     """peft=lora's own fields, and the backends it does not run on yet; each line names the field and the fix."""
     if peft.name != "lora":
         return []
@@ -272,6 +274,10 @@ def peft_problems(peft: Any, backend: Any) -> list[str]:
     elif any(t in OUTPUT_LAYERS for t in targets):
         problems.append(f"peft.target_modules: {', '.join(OUTPUT_LAYERS)} is the output layer, which LoRA leaves "
                         "alone: drop it from the list (or train it in full with peft.modules_to_save=[lm_head])")
+    if stage in ADAPTER_REFERENCE_STAGES and peft.dropout > 0:
+        problems.append(f"stage {stage} with peft=lora takes its reference's log-probs from the policy with adapters "
+                        f"disabled (dropout off there), the policy's with peft.dropout={peft.dropout} on: the first "
+                        "ratio would not be 1. Set peft.dropout=0")
     if backend.name == "fsdp2" and backend.tp > 1:
         problems.append(f"peft=lora with backend.tp={backend.tp}: the tensor-parallel plan does not map LoRA "
                         "layers yet; use backend.tp=1 (backend=fsdp2)")

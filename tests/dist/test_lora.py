@@ -9,6 +9,8 @@ once, on first use, and serves several tests. Step 1's loss is the base's (B = 0
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 
 from tests.conftest import assert_ok, read_metrics, run_cli
 from tests.dist.test_ddp import assert_close_series, base_args
+from tests.dist.test_preference import PAIRS, STAGES
 
 pytestmark = pytest.mark.dist
 
@@ -30,6 +33,16 @@ class Runs:
 
     def __init__(self, root: Path, model_dir: Path):
         self.root, self.model_dir, self.done = root, model_dir, {}
+
+    def dpo(self, backend: str) -> Path:
+        """DPO with LoRA (reference = the policy with adapters off), 6 steps of 8 pairs, eval at 0, 3, 6."""
+        name = f"dpo_{backend}"
+        if name not in self.done:
+            args = [*STAGES["dpo"], *PAIRS, f"model.name_or_path={self.model_dir}", "peft=lora", "peft.r=4",
+                    "peft.alpha=8", "optim.lr=1e-2", *BACKENDS[backend], f"output_dir={self.root / name}"]
+            self.done[name] = run_cli(args, nproc=2)
+        assert_ok(self.done[name])
+        return self.root / name
 
     def __call__(self, backend: str, *extra: str, tag: str = "") -> Path:
         name = f"{backend}{tag}"
@@ -103,3 +116,26 @@ def test_exports_are_equal_across_backends_and_load(runs, tiny_model_dir):
         torch.testing.assert_close(adapted(input_ids=ids).logits, logits["fsdp2"], rtol=0, atol=1e-4)
     for backend in ("zero2", "fsdp2"):
         torch.testing.assert_close(logits[backend], logits["ddp"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_dpo_reference_by_adapter_switch(runs, backend):
+    """DPO + LoRA on 2 ranks: the reference is the policy with adapters disabled (logged, a pointer in the
+    checkpoint, no engine of its own); step 1's loss is ln 2 with rewards 0, the policy moves away after, and
+    FSDP2 matches DDP (loss, grad norm, eval loss) to 1e-5."""
+    run_dir = runs.dpo(backend)
+    assert "reference: the policy with adapters disabled (no second copy of the base)" in \
+        runs.done[f"dpo_{backend}"].stderr
+    train, evals = read_metrics(run_dir)
+    first = train[0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0 and first["reward_accuracy"] == 0
+    assert all(r["reward_margin"] != 0 for r in train[1:])
+    reference_dir = run_dir / "checkpoints" / "step_3" / "engines" / "reference"
+    assert [p.name for p in reference_dir.iterdir()] == ["frozen.json"]
+    assert json.loads((reference_dir / "frozen.json").read_text())["adapter_off_of"] == "policy"
+    assert not any(k.startswith("reference_memory") for r in train for k in r)
+    if backend != "ddp":
+        reference_train, reference_evals = read_metrics(runs.dpo("ddp"))
+        for key in ("loss", "grad_norm"):
+            assert_close_series(train, reference_train, key, 1e-6, 1e-5)
+        assert_close_series(evals, reference_evals, "eval_loss", 1e-6, 1e-5)

@@ -52,8 +52,8 @@ def test_merged_export_equals_the_adapted_model(lora_run):
 
 def test_reward_and_dpo_take_lora(tmp_path):
     """peft=lora on the pair stages (3 steps each from ${base:sft_tiny}): the reward model trains its new score
-    head in full next to the adapters and exports a sequence classifier; DPO's frozen reference is the plain
-    base, so step 1's loss is ln 2 (B = 0: policy = reference)."""
+    head in full next to the adapters and exports a sequence classifier; DPO's reference is the policy with its
+    adapters disabled, so step 1's loss is ln 2 (B = 0: policy = reference)."""
     import math
 
     from transformers import AutoModelForSequenceClassification
@@ -66,6 +66,8 @@ def test_reward_and_dpo_take_lora(tmp_path):
     assert "39040 trainable parameters" in result.stderr
     AutoModelForSequenceClassification.from_pretrained(rm / "hf", dtype=torch.float32)
     assert (rm / "adapter" / "adapter_config.json").is_file()
-    assert_ok(run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600))
+    result = run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600)
+    assert_ok(result)
+    assert "reference: the policy with adapters disabled (no second copy of the base)" in result.stderr
     first = read_metrics(dpo)[0][0]
     assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0

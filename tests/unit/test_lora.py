@@ -52,6 +52,7 @@ def test_lora_group_composes_and_reaches_the_settings():
     (["peft.target_modules=some"], "peft.target_modules='some' must be all-linear or a list"),
     (["backend=fsdp2_tp"], "peft=lora with backend.tp=2"),
     (["backend=zero3"], "peft=lora with backend.zero_stage=3: not yet"),
+    (["stage=dpo", "peft.dropout=0.1"], "the first ratio would not be 1. Set peft.dropout=0"),
 ])
 def test_bad_lora_configs_name_the_field(overrides, message):
     cfg = compose_config(["recipe=sft_tiny", "peft=lora", *overrides])
@@ -136,3 +137,74 @@ def test_adapter_and_merged_exports_reproduce_the_adapted_logits(tokenizer, tmp_
         reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=x).logits, expected, rtol=0, atol=1e-5)
     assert adapter_dir_for(tmp_path / "reward_hf").name == "reward_adapter"
+
+
+# ---- DPO's reference by adapter switch ---------------------------------------------------------------
+
+def dpo_engines(tokenizer, lora):
+    """A DPO stage's engines on one process (DDP backend, world 1), policy with `lora`."""
+    from llmtrain.backends.base import OptimizerSpec
+    from llmtrain.backends.ddp import DDPBackend
+    from llmtrain.parallel import DistContext
+    from llmtrain.roles import ModelOptions, build_engines
+    from llmtrain.stages.base import ModelSource
+    from llmtrain.stages.dpo import DPOStage
+
+    stage = DPOStage(ModelSource(None, TINY), tokenizer.pad_token_id, beta=0.5, loss="sigmoid", label_smoothing=0.0)
+    backend = DDPBackend(DistContext(0, 0, 1, torch.device("cpu")), "fp32")
+    optim = OptimizerSpec(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0,
+                          schedule="constant", min_lr_ratio=1.0, max_grad_norm=0.0, max_steps=2)
+    engines = build_engines(stage.roles, backend, tokenizer, ModelOptions("sdpa", 0.0, False), 0, optim, lora=lora)
+    return stage, engines
+
+
+def pairs(tokenizer, stage, n=4):
+    from llmtrain.losses.lm import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for _ in range(n):
+        prompt, chosen, rejected = (torch.randint(3, 200, (k,), generator=g).tolist() for k in (5, 4, 6))
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            examples.append({f"{side}_input_ids": prompt + response,
+                             f"{side}_labels": [IGNORE_INDEX] * len(prompt) + response})
+    merged = [{**examples[2 * i], **examples[2 * i + 1]} for i in range(n)]
+    return stage.collate(merged)
+
+
+def test_dpo_reference_is_the_policy_with_adapters_off(tokenizer):
+    """peft=lora: the reference is the policy's own model (one copy of the base) run with adapters disabled; step 1's
+    loss is exactly ln 2 (B = 0) with rewards 0, and after a step the reference's log-probs are still the base's
+    while the policy's moved."""
+    import math
+
+    from llmtrain.backends.adapter_off import AdapterOffEngine
+    from llmtrain.stages.base import Updater
+
+    stage, engines = dpo_engines(tokenizer, LORA)
+    policy, reference = engines["policy"], engines["reference"]
+    assert isinstance(reference, AdapterOffEngine) and not reference.trainable
+    assert reference.model is policy.model and reference.model_state_bytes() is None
+    unique = {id(p): p.numel() for e in engines.values() for p in e.model.parameters()}
+    assert sum(unique.values()) == count_trainable(policy.model)[1]  # every parameter once: no second base
+    batch = pairs(tokenizer, stage)
+    base = build(tokenizer, lora=None).eval()  # the same seed: the base the policy was built on
+    with torch.no_grad():
+        base_logps = stage.logps(base, batch)
+    updater = Updater(torch.device("cpu"), skip_nonfinite=False)
+    first = stage.train_step([batch], engines, updater)
+    assert first["loss"] == torch.tensor(math.log(2)).item() and first["reward_margin"] == 0  # ln 2 in fp32 and first["reward_chosen"] == 0
+    assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())  # put back
+    second = stage.train_step([batch], engines, updater)
+    assert abs(second["loss"] - math.log(2)) > 1e-6 and second["reward_margin"] != 0
+    with torch.no_grad():
+        ref_logps, policy_logps = stage.reference_logps(reference, batch), stage.logps(policy.module, batch)
+    for ours, expected in zip(ref_logps, base_logps):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(policy_logps[0], base_logps[0])
+    assert policy.model.training  # the view's forward put the policy's mode back
+
+
+def test_without_lora_the_reference_is_a_frozen_copy(tokenizer):
+    _, engines = dpo_engines(tokenizer, None)
+    assert engines["reference"].model is not engines["policy"].model and not engines["reference"].trainable
