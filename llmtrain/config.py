@@ -281,9 +281,6 @@ def peft_problems(peft: Any, backend: Any, stage: str = "") -> list[str]:
     if backend.name == "fsdp2" and backend.tp > 1:
         problems.append(f"peft=lora with backend.tp={backend.tp}: the tensor-parallel plan does not map LoRA "
                         "layers yet; use backend.tp=1 (backend=fsdp2)")
-    if backend.name == "deepspeed" and backend.zero_stage == 3:
-        problems.append("peft=lora with backend.zero_stage=3: not yet (merging and saving the adapters need the "
-                        "gathered weights); use backend=zero2, backend=fsdp2 or backend=ddp")
     return problems
 
 

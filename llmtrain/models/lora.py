@@ -167,10 +167,23 @@ def fresh_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.
     return fresh.eval()
 
 
+def check_whole_adapters(state: dict[str, torch.Tensor]) -> None:
+    """Every LoRA matrix in a state dict about to be saved is whole: 2-D and non-empty. A ZeRO-3 partition or an
+    FSDP2 shard saved without gathering is empty or flat (a known way to write adapters that load as zeros)."""
+    bad = [f"{name} {tuple(t.shape)}" for name, t in state.items()
+           if ("lora_A" in name or "lora_B" in name) and (t.ndim != 2 or t.numel() == 0)]
+    if bad:
+        raise RuntimeError(f"lora export: {len(bad)} adapter tensors are not whole matrices (not gathered?): "
+                           f"{', '.join(bad[:4])}")
+
+
 def save_adapter_and_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], hf_dir: Path,
                             adapter_dir: Path) -> None:
     """`adapter_dir`: peft format (PeftModel.from_pretrained(base, adapter_dir) loads it); `hf_dir`: the base
-    with the adapters merged in (a plain transformers folder). Rank 0 only, from the full state dict."""
+    with the adapters merged in (a plain transformers folder). Rank 0 only, from the full (gathered) state dict,
+    merged in a fresh single-process copy: peft's merge edits `base_layer.weight` in place, which under ZeRO-3 or
+    FSDP2 is a partition or a shard."""
+    check_whole_adapters(state)
     fresh = fresh_copy(model, state)
     fresh.peft_config["default"].base_model_name_or_path = getattr(unwrap_peft(model).config, "_name_or_path", None)
     fresh.save_pretrained(adapter_dir, safe_serialization=True)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.dist
 COMMON = ["peft=lora", "peft.r=4", "peft.alpha=8", "trainer.max_steps=6", "trainer.grad_accum_steps=2",
           "trainer.micro_batch_size=4", "optim.weight_decay=0.1", "trainer.save_every_n_steps=3",
           "trainer.keep_last_k=3", "optim.lr=1e-2"]
-BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "fsdp2": ["backend=fsdp2"]}
+BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
 
 
 class Runs:
@@ -58,7 +58,7 @@ def runs(tiny_model_dir, tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("lora"), tiny_model_dir)
 
 
-@pytest.mark.parametrize("backend", ["zero2", "fsdp2"])
+@pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
 def test_parity_with_ddp(runs, backend):
     """Loss and grad norm of every step within 1e-5 relative of DDP (the first 1e-6), same lr and tokens."""
     reference, ours = read_metrics(runs("ddp"))[0], read_metrics(runs(backend))[0]
@@ -99,6 +99,19 @@ def test_fsdp2_checkpoint_holds_the_adapter_shards_only(runs):
     assert len(list(dcp_dir.glob("*.distcp"))) == 2  # one shard file per rank
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_adapter_export_holds_whole_matrices(runs, backend):
+    """adapter/ after a save: every LoRA tensor 2-D and non-empty (ZeRO-3 and FSDP2 hold shards: saving them without
+    gathering writes empty or flat tensors), shaped (r, d_in) for A and (d_out, r) for B."""
+    from safetensors.torch import load_file
+
+    state = load_file(runs(backend) / "adapter" / "adapter_model.safetensors")
+    assert len(state) == 2 * 14
+    for name, tensor in state.items():
+        assert tensor.ndim == 2 and tensor.numel() > 0, (name, tensor.shape)
+        assert tensor.shape[0 if "lora_A" in name else 1] == 4, (name, tensor.shape)
+
+
 def test_exports_are_equal_across_backends_and_load(runs, tiny_model_dir):
     """adapter/ loads with PeftModel.from_pretrained(base, adapter); hf/ (merged) gives the same logits, and
     every backend exports the same weights to 1e-5."""
@@ -114,15 +127,16 @@ def test_exports_are_equal_across_backends_and_load(runs, tiny_model_dir):
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         adapted = PeftModel.from_pretrained(base, runs("fsdp2") / "adapter").eval()
         torch.testing.assert_close(adapted(input_ids=ids).logits, logits["fsdp2"], rtol=0, atol=1e-4)
-    for backend in ("zero2", "fsdp2"):
+    for backend in ("zero2", "zero3", "fsdp2"):
         torch.testing.assert_close(logits[backend], logits["ddp"], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", ["ddp", "zero3", "fsdp2"])
 def test_dpo_reference_by_adapter_switch(runs, backend):
     """DPO + LoRA on 2 ranks: the reference is the policy with adapters disabled (logged, a pointer in the
     checkpoint, no engine of its own); step 1's loss is ln 2 with rewards 0, the policy moves away after, and
-    FSDP2 matches DDP (loss, grad norm, eval loss) to 1e-5."""
+    ZeRO-3 (the view's forward gathers through the policy's engine) and FSDP2 match DDP (loss, grad norm, eval
+    loss) to 1e-5."""
     run_dir = runs.dpo(backend)
     assert "reference: the policy with adapters disabled (no second copy of the base)" in \
         runs.done[f"dpo_{backend}"].stderr

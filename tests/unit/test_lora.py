@@ -51,7 +51,6 @@ def test_lora_group_composes_and_reaches_the_settings():
     (["peft.target_modules=[lm_head]"], "peft.target_modules: lm_head is the output layer"),
     (["peft.target_modules=some"], "peft.target_modules='some' must be all-linear or a list"),
     (["backend=fsdp2_tp"], "peft=lora with backend.tp=2"),
-    (["backend=zero3"], "peft=lora with backend.zero_stage=3: not yet"),
     (["stage=dpo", "peft.dropout=0.1"], "the first ratio would not be 1. Set peft.dropout=0"),
 ])
 def test_bad_lora_configs_name_the_field(overrides, message):
@@ -137,6 +136,11 @@ def test_adapter_and_merged_exports_reproduce_the_adapted_logits(tokenizer, tmp_
         reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=x).logits, expected, rtol=0, atol=1e-5)
     assert adapter_dir_for(tmp_path / "reward_hf").name == "reward_adapter"
+    sharded = {**model.state_dict()}
+    name = next(n for n in sharded if "lora_A" in n)
+    sharded[name] = torch.empty(0)  # a ZeRO-3 partition saved without gathering
+    with pytest.raises(RuntimeError, match=f"not whole matrices.*{name}"):
+        save_adapter_and_merged(model, sharded, tmp_path / "hf2", tmp_path / "adapter2")
 
 
 # ---- DPO's reference by adapter switch ---------------------------------------------------------------
