@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import assert_ok, read_metrics, run_cli
+from tests.conftest import REPO, assert_ok, read_metrics, run_cli
 from tests.dist.test_ddp import assert_close_series, base_args
 from tests.dist.test_preference import PAIRS, STAGES
 
@@ -153,3 +154,75 @@ def test_dpo_reference_by_adapter_switch(runs, backend):
         for key in ("loss", "grad_norm"):
             assert_close_series(train, reference_train, key, 1e-6, 1e-5)
         assert_close_series(evals, reference_evals, "eval_loss", 1e-6, 1e-5)
+
+
+def test_fsdp2_resume_restores_every_ranks_adapter_shard(tiny_model_dir, tmp_path):
+    """Worker under torchrun, 2 ranks (`zeroed_adapter_worker` below): a trained LoRA model's DCP checkpoint loaded
+    into the same model after its adapter shards (and Adam state) were zeroed: every rank's shard of every adapter
+    comes back bitwise (a full state dict that kept only rank 0's shard would leave rank 1's at zero)."""
+    from tests.conftest import PYTHON, cli_env
+
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m", "tests.dist.test_lora",
+           str(tiny_model_dir), str(tmp_path)]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert_ok(result)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert report["adapters"] == 28 and report["local_numel"] > 0, report
+        assert report["zeroed_before_load"] and report["nonzero_after_load"] == 28, report
+        assert report["restored_bitwise"] == 28 and report["optimizer_restored"], report
+
+
+def zeroed_adapter_worker(model_dir: Path, out_dir: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from llmtrain.backends.base import OptimizerSpec
+    from llmtrain.backends.fsdp2 import FSDP2Backend
+    from llmtrain.losses.lm import lm_loss_sum
+    from llmtrain.models.load import build_model, load_tokenizer
+    from llmtrain.models.lora import LoraSettings
+    from llmtrain.parallel import init_distributed, shutdown
+
+    ctx = init_distributed("cpu", 300)
+    backend = FSDP2Backend(ctx, "fp32", {})
+    with backend.model_init_context():
+        model = build_model(name_or_path=str(model_dir), from_config=None, config_path=None,
+                            tokenizer=load_tokenizer(str(model_dir), False), attn_implementation="sdpa", dropout=0.0,
+                            activation_checkpointing=False, trust_remote_code=False, seed=0,
+                            lora=LoraSettings(4, 8.0, 0.0, "all-linear", None))
+    spec = OptimizerSpec(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
+                         min_lr_ratio=1.0, max_grad_norm=0.0, max_steps=10)
+    engine = backend.wrap(model, spec)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(ctx.rank))  # (B, T)
+    for _ in range(2):  # B moves away from 0
+        engine.backward(lm_loss_sum(engine.module(input_ids=ids).logits, ids) / ids.numel())
+        engine.clip_or_fused_step()
+        engine.step()
+    adapters = {n: p for n, p in engine.model.named_parameters() if "lora_" in n}
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in adapters.items()}
+    saved = {n: t.detach().clone() for n, t in local.items()}
+    moments = {n: engine.optimizer.state[p]["exp_avg"].to_local().clone() for n, p in adapters.items()}
+    engine.save_checkpoint(out_dir / "ckpt")
+    with torch.no_grad():
+        for t in local.values():
+            t.zero_()
+    for p in adapters.values():
+        engine.optimizer.state[p]["exp_avg"].to_local().zero_()
+    report = {"rank": ctx.rank, "adapters": len(adapters), "local_numel": sum(t.numel() for t in saved.values()),
+              "zeroed_before_load": all(not t.any() for t in local.values())}
+    engine.load_checkpoint(out_dir / "ckpt")
+    after = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in engine.model.named_parameters()
+             if "lora_" in n}
+    report["nonzero_after_load"] = sum(bool(t.any()) for t in after.values())
+    report["restored_bitwise"] = sum(torch.equal(after[n], saved[n]) for n in saved)
+    params = dict(engine.model.named_parameters())
+    report["optimizer_restored"] = all(torch.equal(engine.optimizer.state[params[n]]["exp_avg"].to_local(), m)
+                                       and m.any() for n, m in moments.items())
+    (out_dir / f"rank_{ctx.rank}.json").write_text(json.dumps(report))
+    shutdown()
+
+
+if __name__ == "__main__":
+    import sys
+
+    zeroed_adapter_worker(Path(sys.argv[1]), Path(sys.argv[2]))
