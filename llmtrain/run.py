@@ -14,12 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.config import PAIR_STAGES, ConfigError, data_parallel_size, validate
+from llmtrain.config import ADAPTER_REFERENCE_STAGES, PAIR_STAGES, ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.flops import human, training_flops_per_token
-from llmtrain.metrics.memory import planned_model_state_bytes
+from llmtrain.metrics.memory import frozen_elem_bytes, planned_state_bytes
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
-from llmtrain.models.lora import LoraSettings
+from llmtrain.models.lora import LoraSettings, planned_trainable
 from llmtrain.models.load import count_parameters, load_tokenizer, model_config, resolve_attn_implementation
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
 from llmtrain.roles import ModelOptions, build_engines
@@ -66,14 +66,19 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
     m = cfg.model
     vocab = _local_vocab_size(m.tokenizer or m.name_or_path, m.trust_remote_code)
     arch = model_config(m.name_or_path, m.from_config, m.config_path, m.trust_remote_code, vocab_size=vocab)
+    lora = LoraSettings.from_config(cfg.peft)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
-        params = count_parameters(AutoModelForCausalLM.from_config(arch))
+        meta_model = AutoModelForCausalLM.from_config(arch)
+        params = count_parameters(meta_model)
+    # LoRA: the adapters (and modules_to_save copies) come on top of a base that is frozen whole: weights only.
+    trainable, frozen = (params, 0) if lora is None else (planned_trainable(meta_model, lora), params)
     seq_len = cfg.data.max_seq_len
     dp = data_parallel_size(cfg.backend, world)
     stage = {"ddp": 0, "fsdp2": 3}.get(cfg.backend.name, cfg.backend.zero_stage)
-    state_bytes = planned_model_state_bytes(num_params=params, stage=stage, dp=dp,
-                                            mixed_precision=precision in ("bf16", "fp16"))
+    mixed = precision in ("bf16", "fp16")
+    state_bytes = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=dp,
+                                      mixed_precision=mixed, frozen_elem_bytes=frozen_elem_bytes(cfg.backend.name, mixed))
     flops_per_token = training_flops_per_token(params, arch.num_hidden_layers, arch.hidden_size, seq_len)
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
@@ -81,20 +86,24 @@ def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: 
              f"(L={arch.num_hidden_layers}, h={arch.hidden_size}, heads={arch.num_attention_heads}, "
              f"vocab={arch.vocab_size})",
              f"training FLOPs ≈ 6·M + 12·L·h·s = {human(flops_per_token, 'FLOP')} per token at s={seq_len}",
-             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}) ≈ "
+             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}"
+             f"{'' if lora is None else f'; LoRA: {trainable:,} trainable, the base as weights only'}) ≈ "
              f"{human(state_bytes, 'B', 1024)} per rank per trainable role (activations not included)",
-             roles_line(cfg.stage.name, params, stage=stage, dp=dp, precision=precision),
+             roles_line(cfg.stage.name, params, stage=stage, dp=dp, precision=precision, lora=lora is not None),
              batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}"]
     return "\n".join(lines)
 
 
-def roles_line(stage_name: str, params: int, *, stage: int, dp: int, precision: str) -> str:
-    """The stage's roles; a frozen one holds its weights only, in the compute dtype, sharded under ZeRO-3/FSDP2."""
+def roles_line(stage_name: str, params: int, *, stage: int, dp: int, precision: str, lora: bool = False) -> str:
+    """The stage's roles; a frozen one holds its weights only, in the compute dtype, sharded under ZeRO-3/FSDP2
+    (with LoRA, a reference that is the policy with adapters disabled holds nothing of its own)."""
     roles = stage_roles(stage_name)
     weight_bytes = params * (2 if precision in ("bf16", "fp16") else 4) / (dp if stage == 3 else 1)
-    described = [f"{role} (trainable)" if trainable else f"{role} (frozen: weights only ≈ "
-                 f"{human(weight_bytes, 'B', 1024)} per rank)" for role, trainable in roles.items()]
+    switched = lora and stage_name in ADAPTER_REFERENCE_STAGES
+    described = [f"{role} (trainable)" if trainable else f"{role} (the policy with adapters disabled: no weights of "
+                 "its own)" if switched else f"{role} (frozen: weights only ≈ {human(weight_bytes, 'B', 1024)} per "
+                 "rank)" for role, trainable in roles.items()]
     return f"roles: {', '.join(described)}"
 
 

@@ -123,6 +123,22 @@ def adapter_formula(model: torch.nn.Module, r: int) -> tuple[int, int]:
     return sum(r * (layer.in_features + layer.out_features) for _, layer in layers), len(layers)
 
 
+def planned_trainable(model: torch.nn.Module, settings: LoraSettings) -> int:
+    """What apply_lora will train, from the architecture alone (a meta model is enough): Σ r·(d_in + d_out) over the
+    targeted linear layers (all-linear: every Linear but the output layer, as peft) + the listed modules_to_save."""
+    output = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        short = name.rpartition(".")[2]
+        if not isinstance(module, torch.nn.Linear) or module is output:
+            continue
+        if settings.target_modules == ALL_LINEAR or short in settings.target_modules:
+            total += settings.r * (module.in_features + module.out_features)
+    saved = settings.modules_to_save or ()
+    return total + sum(p.numel() for name, m in model.named_modules() if name.rpartition(".")[2] in saved
+                       for p in m.parameters())
+
+
 def count_trainable(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable parameters, all parameters); ZeRO-3 shards count whole (ds_numel)."""
     numel = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]

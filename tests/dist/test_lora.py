@@ -156,6 +156,32 @@ def test_dpo_reference_by_adapter_switch(runs, backend):
         assert_close_series(evals, reference_evals, "eval_loss", 1e-6, 1e-5)
 
 
+@pytest.mark.parametrize("backend, stage", [("ddp", 0), ("fsdp2", 3)])
+def test_planned_model_state_bytes_count_the_base_as_weights_only(runs, backend, stage):
+    """metrics/memory.planned_state_bytes (the plan's figure: adapters with grads and Adam, the frozen base as fp32
+    weights, sharded under FSDP2) within 5 % of what each rank's engine measured after step 1; and ZeRO-3's
+    measured parameter bytes within 5 % of its expected ones (frozen partitions counted)."""
+    import re
+
+    from llmtrain.metrics.memory import frozen_elem_bytes, planned_state_bytes
+
+    run_dir = runs(backend)
+    trainable, total = map(int, re.search(r"lora: (\d+) trainable parameters of (\d+)",
+                                          runs.done[backend].stderr).groups())
+    planned = planned_state_bytes(trainable=trainable, frozen=total - trainable, stage=stage, dp=2,
+                                  mixed_precision=False, frozen_elem_bytes=frozen_elem_bytes(backend, False))
+    first = read_metrics(run_dir)[0][0]
+    for rank in range(2):
+        measured = sum(first[f"memory_r{rank}_{k}"] for k in ("params", "grads", "optimizer"))
+        assert abs(measured - planned) <= 0.05 * planned, (rank, measured, planned)
+    full = planned_state_bytes(trainable=total, frozen=0, stage=stage, dp=2, mixed_precision=False,
+                               frozen_elem_bytes=4)
+    assert planned < 0.5 * full  # what the old plan (every parameter trainable) would have said
+    zero3 = read_metrics(runs("zero3"))[0][0]
+    assert abs(zero3["memory_r1_params_bytes"] - zero3["memory_r1_expected_params_bytes"]) <= \
+        0.05 * zero3["memory_r1_expected_params_bytes"], zero3
+
+
 def test_fsdp2_resume_restores_every_ranks_adapter_shard(tiny_model_dir, tmp_path):
     """Worker under torchrun, 2 ranks (`zeroed_adapter_worker` below): a trained LoRA model's DCP checkpoint loaded
     into the same model after its adapter shards (and Adam state) were zeroed: every rank's shard of every adapter

@@ -212,3 +212,18 @@ def test_dpo_reference_is_the_policy_with_adapters_off(tokenizer):
 def test_without_lora_the_reference_is_a_frozen_copy(tokenizer):
     _, engines = dpo_engines(tokenizer, None)
     assert engines["reference"].model is not engines["policy"].model and not engines["reference"].trainable
+
+
+def test_plan_counts_the_frozen_base_as_weights_only():
+    """The dry-run plan under peft=lora: the adapters' count (the formula, from the architecture alone) with grads
+    and Adam, the base as fp32 weights; DPO's reference holds nothing of its own."""
+    from llmtrain.metrics.flops import human
+    from llmtrain.run import describe_plan
+
+    cfg = compose_config(["recipe=lora_sft_tiny"])
+    plan = describe_plan(cfg, 1, torch.device("cpu"), "fp32")
+    base = 539_008 - 77_824  # the run logs 77,824 trainable of 539,008 (the adapters come on top of the base)
+    assert "LoRA: 77,824 trainable, the base as weights only" in plan
+    assert f"≈ {human(16 * 77_824 + 4 * base, 'B', 1024)} per rank" in plan
+    dpo = describe_plan(compose_config(["recipe=lora_sft_tiny", "stage=dpo"]), 1, torch.device("cpu"), "fp32")
+    assert "reference (the policy with adapters disabled: no weights of its own)" in dpo
