@@ -208,6 +208,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if activation_checkpointing:
+        # Non-reentrant: it needs no input that requires grad, so a LoRA model (frozen embeddings) gets its adapter
+        # gradients without `enable_input_require_grads()`, which the reentrant variant would need.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
         from llmtrain.models.lora import apply_lora

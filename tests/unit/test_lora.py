@@ -23,9 +23,9 @@ def tokenizer():
     return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
-def build(tokenizer, lora=LORA, head="lm", seed=0):
+def build(tokenizer, lora=LORA, head="lm", seed=0, activation_checkpointing=False):
     return build_model(name_or_path=None, from_config=TINY, config_path=None, tokenizer=tokenizer,
-                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=False,
+                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=activation_checkpointing,
                        trust_remote_code=False, head=head, seed=seed, lora=lora)
 
 
@@ -227,3 +227,26 @@ def test_plan_counts_the_frozen_base_as_weights_only():
     assert f"≈ {human(16 * 77_824 + 4 * base, 'B', 1024)} per rank" in plan
     dpo = describe_plan(compose_config(["recipe=lora_sft_tiny", "stage=dpo"]), 1, torch.device("cpu"), "fp32")
     assert "reference (the policy with adapters disabled: no weights of its own)" in dpo
+
+
+def test_activation_checkpointing_with_lora_gives_the_same_loss_and_adapter_gradients(tokenizer):
+    """model.activation_checkpointing=true (transformers' non-reentrant checkpointing, set before peft wraps the
+    model): the frozen embeddings' output needs no grad, the adapters still get theirs, equal to without it."""
+    x = ids(len(tokenizer))
+    results = []
+    for checkpointing in (False, True):
+        model = build(tokenizer, activation_checkpointing=checkpointing).train()
+        assert unwrap_peft(model).is_gradient_checkpointing == checkpointing
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:  # B = 0 would leave A's gradient 0
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+        results.append((loss.detach(), grads))
+    (loss, grads), (loss_ac, grads_ac) = results
+    assert torch.equal(loss, loss_ac)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-5, atol=1e-7)
