@@ -159,6 +159,8 @@ class PeftConfig:
     target_modules: Any = "all-linear"
     # Modules trained in full next to the adapters; null: the stage decides (a reward model's score head).
     modules_to_save: Optional[List[str]] = None
+    # QLoRA: the frozen base loaded in 4 bits (bitsandbytes NF4, bf16 compute); a CUDA GPU, backend=ddp only.
+    load_in_4bit: bool = False
 
 
 @dataclass
@@ -245,6 +247,7 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += backend_config_problems(cfg.backend, world_size)
     problems += stage_problems(cfg)
     problems += peft_problems(cfg.peft, cfg.backend, cfg.stage.name)
+    problems += qlora_problems(cfg)
     return problems
 
 
@@ -281,6 +284,33 @@ def peft_problems(peft: Any, backend: Any, stage: str = "") -> list[str]:
     if backend.name == "fsdp2" and backend.tp > 1:
         problems.append(f"peft=lora with backend.tp={backend.tp}: the tensor-parallel plan does not map LoRA "
                         "layers yet; use backend.tp=1 (backend=fsdp2)")
+    return problems
+
+
+def qlora_problems(cfg: Any) -> list[str]:
+    """peft.load_in_4bit=true (QLoRA): a CUDA GPU with bitsandbytes, a pretrained base, DDP, bf16."""
+    if cfg.peft.name != "lora" or not getattr(cfg.peft, "load_in_4bit", False):
+        return []
+    import importlib.util
+
+    import torch
+
+    problems = []
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        problems.append(f"peft.load_in_4bit=true (QLoRA) needs a CUDA GPU and bitsandbytes; this run has none "
+                        f"(device={cfg.device}, torch.cuda.is_available()={torch.cuda.is_available()}): run it on a "
+                        "GPU machine, or set peft.load_in_4bit=false (plain LoRA)")
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("peft.load_in_4bit=true (QLoRA) needs bitsandbytes: pip install bitsandbytes, or set "
+                        "peft.load_in_4bit=false")
+    if cfg.backend.name != "ddp":
+        problems.append(f"peft.load_in_4bit=true runs on backend=ddp only (backend.name={cfg.backend.name}: sharding "
+                        "4-bit weights is not wired up); use backend=ddp or peft.load_in_4bit=false")
+    if cfg.model.name_or_path is None:
+        problems.append("peft.load_in_4bit=true quantizes pretrained weights: set model.name_or_path (a random init "
+                        "from model.from_config has nothing to quantize)")
+    if cfg.precision not in ("auto", "bf16"):
+        problems.append(f"peft.load_in_4bit=true computes in bf16: precision={cfg.precision} must be bf16 or auto")
     return problems
 
 

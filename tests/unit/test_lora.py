@@ -60,6 +60,21 @@ def test_bad_lora_configs_name_the_field(overrides, message):
     assert message in str(error.value)
 
 
+def test_qlora_needs_a_cuda_gpu_and_ddp():
+    """peft.load_in_4bit=true is refused before any model loads where there is no CUDA device (this CPU machine; the
+    CUDA path, NF4 + prepare_model_for_kbit_training, is not run here), and on any backend but ddp."""
+    settings = LoraSettings.from_config(compose_config(["recipe=sft_tiny", "peft=lora", "peft.load_in_4bit=true"]).peft)
+    assert settings.load_in_4bit
+    cfg = compose_config(["recipe=sft_tiny", "peft=lora", "peft.load_in_4bit=true", "backend=fsdp2"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, world_size=2)
+    message = str(error.value)
+    if not torch.cuda.is_available():
+        assert "peft.load_in_4bit=true (QLoRA) needs a CUDA GPU and bitsandbytes" in message
+    assert "peft.load_in_4bit=true runs on backend=ddp only (backend.name=fsdp2" in message
+    assert "set model.name_or_path" in message  # sft_tiny is a random init: nothing to quantize
+
+
 def test_target_or_saved_module_that_matches_nothing_names_the_field(tokenizer):
     with pytest.raises(ConfigError, match="peft.target_modules: qkv_proj match no linear layer"):
         build(tokenizer, LoraSettings(4, 8.0, 0.0, ("q_proj", "qkv_proj"), None))
