@@ -220,6 +220,8 @@ class PeftConfig:
     target_modules: Any = "all-linear"
     # Modules trained in full next to the adapters; null: the stage decides (a reward model's score head).
     modules_to_save: Optional[List[str]] = None
+    # QLoRA: the frozen base loaded in 4 bits (bitsandbytes NF4, bf16 compute); a CUDA GPU, backend=ddp only.
+    load_in_4bit: bool = False
 
 
 @dataclass
@@ -325,14 +327,17 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += _source_problems(cfg)
     problems += backend_config_problems(cfg.backend, world_size)
     problems += stage_problems(cfg, data_parallel_size(cfg.backend, world_size))
-    problems += peft_problems(cfg.peft, cfg.backend)
+    problems += peft_problems(cfg.peft, cfg.backend, cfg.stage.name)
+    problems += qlora_problems(cfg)
     return problems
 
 
 OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
+# Stages whose frozen reference is, under peft=lora, the policy with its adapters disabled (RoleSpec.adapter_off_of).
+ADAPTER_REFERENCE_STAGES = {"dpo", "ppo", "grpo"}
 
 
-def peft_problems(peft: Any, backend: Any) -> list[str]:
+def peft_problems(peft: Any, backend: Any, stage: str = "") -> list[str]:
     """peft=lora's own fields, and the backends it does not run on yet; each line names the field and the fix."""
     if peft.name != "lora":
         return []
@@ -353,12 +358,40 @@ def peft_problems(peft: Any, backend: Any) -> list[str]:
     elif any(t in OUTPUT_LAYERS for t in targets):
         problems.append(f"peft.target_modules: {', '.join(OUTPUT_LAYERS)} is the output layer, which LoRA leaves "
                         "alone: drop it from the list (or train it in full with peft.modules_to_save=[lm_head])")
+    if stage in ADAPTER_REFERENCE_STAGES and peft.dropout > 0:
+        problems.append(f"stage {stage} with peft=lora takes its reference's log-probs from the policy with adapters "
+                        f"disabled (dropout off there), the policy's with peft.dropout={peft.dropout} on: the first "
+                        "ratio would not be 1. Set peft.dropout=0")
     if backend.name == "fsdp2" and backend.tp > 1:
         problems.append(f"peft=lora with backend.tp={backend.tp}: the tensor-parallel plan does not map LoRA "
                         "layers yet; use backend.tp=1 (backend=fsdp2)")
-    if backend.name == "deepspeed" and backend.zero_stage == 3:
-        problems.append("peft=lora with backend.zero_stage=3: not yet (merging and saving the adapters need the "
-                        "gathered weights); use backend=zero2, backend=fsdp2 or backend=ddp")
+    return problems
+
+
+def qlora_problems(cfg: Any) -> list[str]:
+    """peft.load_in_4bit=true (QLoRA): a CUDA GPU with bitsandbytes, a pretrained base, DDP, bf16."""
+    if cfg.peft.name != "lora" or not getattr(cfg.peft, "load_in_4bit", False):
+        return []
+    import importlib.util
+
+    import torch
+
+    problems = []
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        problems.append(f"peft.load_in_4bit=true (QLoRA) needs a CUDA GPU and bitsandbytes; this run has none "
+                        f"(device={cfg.device}, torch.cuda.is_available()={torch.cuda.is_available()}): run it on a "
+                        "GPU machine, or set peft.load_in_4bit=false (plain LoRA)")
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("peft.load_in_4bit=true (QLoRA) needs bitsandbytes: pip install bitsandbytes, or set "
+                        "peft.load_in_4bit=false")
+    if cfg.backend.name != "ddp":
+        problems.append(f"peft.load_in_4bit=true runs on backend=ddp only (backend.name={cfg.backend.name}: sharding "
+                        "4-bit weights is not wired up); use backend=ddp or peft.load_in_4bit=false")
+    if cfg.model.name_or_path is None:
+        problems.append("peft.load_in_4bit=true quantizes pretrained weights: set model.name_or_path (a random init "
+                        "from model.from_config has nothing to quantize)")
+    if cfg.precision not in ("auto", "bf16"):
+        problems.append(f"peft.load_in_4bit=true computes in bf16: precision={cfg.precision} must be bf16 or auto")
     return problems
 
 

@@ -38,11 +38,26 @@ def check_same_data_parallel(layouts: dict[str, tuple[int, int]]) -> None:
                           "role the same backend degrees (backend.dp_replicate / dp_shard / tp)")
 
 
+def adapter_off_engine(role: str, target: str, engines: dict):
+    from llmtrain.backends.adapter_off import AdapterOffEngine
+
+    if target not in engines:
+        raise ValueError(f"role {role!r} is role {target!r} with its adapters disabled, but {target!r} is not built "
+                         f"before it: list {target!r} first in the stage's roles (built: {sorted(engines)})")
+    if engines[target].ctx.is_main:
+        log.info("%s: the %s with adapters disabled (no second copy of the base)", role, target)
+    return AdapterOffEngine(engines[target], target)
+
+
 def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: ModelOptions, seed: int,
                   optim: OptimizerSpec, lora: LoraSettings | None = None) -> dict:
-    """`lora`: adapters on every trainable role (frozen roles stay plain: a reference is the base itself)."""
+    """`lora`: adapters on every trainable role. A frozen role with `adapter_off_of` is then that role's model
+    with its adapters disabled (built first: roles are built in their dict order); other frozen roles stay plain."""
     engines = {}
     for role, spec in roles.items():
+        if lora is not None and spec.adapter_off_of:
+            engines[role] = adapter_off_engine(role, spec.adapter_off_of, engines)
+            continue
         src = spec.source
         with backend.model_init_context():
             model = build_model(name_or_path=src.name_or_path, from_config=src.from_config,

@@ -241,11 +241,14 @@ class DeepSpeedEngine:
             partitions.add("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in self.model.parameters()])
             measured["host"] += partitions.bytes["params"]
         numels = [getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad]
+        frozen = [getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if not p.requires_grad]  # LoRA
         threshold = self.ds.zero_param_persistence_threshold()
         persistent = sum(n for n in numels if n <= threshold) if self.stage == 3 else 0
         expected = deepspeed_expected(num_params=sum(numels), persistent_params=persistent, stage=self.stage,
                                       dp=self.dp_size, grad_accum_steps=s.grad_accum_steps,
-                                      offload_optimizer=offload_opt, offload_param=offload_param)
+                                      offload_optimizer=offload_opt, offload_param=offload_param,
+                                      frozen_params=sum(frozen), frozen_persistent_params=sum(
+                                          n for n in frozen if n <= threshold) if self.stage == 3 else 0)
         roles = ("params", "master", "grads", "optim")
         report = {f"{r}_bytes": measured[r] for r in (*roles, "buffers", "other", "host")}
         report.update({f"expected_{r}_bytes": expected[r] for r in (*roles, "host")})

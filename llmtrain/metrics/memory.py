@@ -24,15 +24,18 @@ ROLES = ("params", "master", "grads", "optim", "buffers", "other")
 
 
 def deepspeed_expected(*, num_params: int, persistent_params: int, stage: int, dp: int, grad_accum_steps: int,
-                       offload_optimizer: bool, offload_param: bool, elem_bytes: int = 4) -> dict[str, float]:
+                       offload_optimizer: bool, offload_param: bool, elem_bytes: int = 4, frozen_params: int = 0,
+                       frozen_persistent_params: int = 0) -> dict[str, float]:
     """Bytes per rank per role for fp32 training under DeepSpeed (see the module docstring); `host` says
     how much of them offload puts in host memory. Gradients are measured after each micro-batch's backward:
-    ZeRO-0/1 hold them whole between micro-batches; ZeRO-1 with no accumulation only inside backward."""
+    ZeRO-0/1 hold them whole between micro-batches; ZeRO-1 with no accumulation only inside backward.
+    `num_params` are the trainable ones; `frozen_params` (a LoRA base) count as weights only."""
     m, p, n, b = num_params, persistent_params, dp, elem_bytes
+    f, fp = frozen_params, frozen_persistent_params
     shard = m / n if stage >= 1 else m
     whole_grads = stage == 0 or (stage == 1 and grad_accum_steps > 1)
     expected = {
-        "params": b * (m / n + p) if stage == 3 else b * m,
+        "params": b * (m / n + p + f / n + fp) if stage == 3 else b * (m + f),
         "master": b * m / n if stage >= 1 else 0.0,  # DeepSpeed's fp32 copy of this rank's partition
         "grads": b * m if whole_grads else b * m / n,
         "optim": 2 * b * shard,  # Adam exp_avg + exp_avg_sq
@@ -41,7 +44,7 @@ def deepspeed_expected(*, num_params: int, persistent_params: int, stage: int, d
     if offload_optimizer:
         expected["host"] += expected["master"] + expected["optim"] + (expected["grads"] if stage == 3 else 0.0)
     if offload_param and stage == 3:
-        expected["host"] += b * m / n
+        expected["host"] += b * (m + f) / n
     return expected
 
 
@@ -59,6 +62,22 @@ def planned_model_state_bytes(*, num_params: int, stage: int, dp: int, mixed_pre
         return formula_16m(num_params=num_params, stage=stage, dp=dp)
     m, n = num_params, dp
     return {0: 16 * m, 1: 4 * m + 12 * m / n, 2: 2 * m + 14 * m / n, 3: 16 * m / n}[stage]
+
+
+def frozen_elem_bytes(backend: str, mixed_precision: bool) -> int:
+    """Bytes per frozen parameter: DeepSpeed casts the module to the compute dtype; DDP and FSDP2 keep fp32 weights
+    (autocast, or FSDP2's fp32 shards with a bf16 all-gather)."""
+    return 2 if backend == "deepspeed" and mixed_precision else 4
+
+
+def planned_state_bytes(*, trainable: int, frozen: int, stage: int, dp: int, mixed_precision: bool,
+                        frozen_elem_bytes: int) -> float:
+    """Per-rank model states of a role whose `frozen` parameters (a LoRA base) are weights only (`frozen_elem_bytes`
+    each: the dtype the backend keeps them in, sharded under ZeRO-3 / FSDP) and whose `trainable` ones (the
+    adapters) have weights, grads and Adam states as planned_model_state_bytes says. Activations not included."""
+    frozen_bytes = frozen * frozen_elem_bytes / (dp if stage == 3 else 1)
+    return frozen_bytes + planned_model_state_bytes(num_params=trainable, stage=stage, dp=dp,
+                                                    mixed_precision=mixed_precision)
 
 
 class StorageLedger:

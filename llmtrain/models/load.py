@@ -195,9 +195,13 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         if not on_meta:
             seeded_init(model, seed, gather=gather)
     else:
+        quantized = lora is not None and lora.load_in_4bit  # QLoRA (CUDA only: config.qlora_problems)
+        if quantized:
+            from llmtrain.models.lora import quantized_load_kwargs
         model, info = cls.from_pretrained(
             name_or_path, config=config, attn_implementation=attn_implementation, dtype=torch.float32,
-            trust_remote_code=trust_remote_code, output_loading_info=True)
+            trust_remote_code=trust_remote_code, output_loading_info=True,
+            **(quantized_load_kwargs() if quantized else {}))
         new = missing_modules(info["missing_keys"])
         if new:
             log.info("%s: %s not in the checkpoint, initialised from the seed", name_or_path, ", ".join(sorted(new)))
@@ -208,7 +212,13 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if activation_checkpointing:
+        # Non-reentrant: it needs no input that requires grad, so a LoRA model (frozen embeddings) gets its adapter
+        # gradients without `enable_input_require_grads()`, which the reentrant variant would need.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None and lora.load_in_4bit:
+        from llmtrain.models.lora import prepare_quantized
+
+        model = prepare_quantized(model, activation_checkpointing)
     if lora is not None:
         from llmtrain.models.lora import apply_lora
 

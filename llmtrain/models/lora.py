@@ -36,6 +36,7 @@ class LoraSettings:
     dropout: float
     target_modules: str | tuple[str, ...]  # "all-linear" or module names
     modules_to_save: tuple[str, ...] | None  # None: the head decides (DEFAULT_MODULES_TO_SAVE)
+    load_in_4bit: bool = False  # QLoRA (CUDA + bitsandbytes, checked in config.qlora_problems)
 
     @classmethod
     def from_config(cls, peft_cfg) -> "LoraSettings | None":
@@ -45,7 +46,8 @@ class LoraSettings:
         saved = peft_cfg.modules_to_save
         return cls(r=int(peft_cfg.r), alpha=float(peft_cfg.alpha), dropout=float(peft_cfg.dropout),
                    target_modules=targets if isinstance(targets, str) else tuple(targets),
-                   modules_to_save=None if saved is None else tuple(saved))
+                   modules_to_save=None if saved is None else tuple(saved),
+                   load_in_4bit=bool(getattr(peft_cfg, "load_in_4bit", False)))
 
 
 def is_peft(model: torch.nn.Module) -> bool:
@@ -93,6 +95,29 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, head: str, see
     return peft_model
 
 
+# ---- QLoRA (CUDA only; written against transformers 5 / peft 0.21 / bitsandbytes, not run on the CPU machine) ----
+
+def quantized_load_kwargs() -> dict:
+    """from_pretrained arguments for a 4-bit NF4 base computing in bf16, on this rank's GPU."""
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.bfloat16),
+            "device_map": {"": torch.cuda.current_device()}}
+
+
+def prepare_quantized(model: torch.nn.Module, activation_checkpointing: bool) -> torch.nn.Module:
+    """peft's preparation of a k-bit base: norms in fp32, input grads on, checkpointing (non-reentrant) if asked."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=activation_checkpointing,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    return bool(getattr(unwrap_peft(model), "is_loaded_in_4bit", False))
+
+
 def lora_layers(model: torch.nn.Module):
     """(name, LoraLayer) for every adapted module."""
     from peft.tuners.lora import LoraLayer
@@ -121,6 +146,22 @@ def adapter_formula(model: torch.nn.Module, r: int) -> tuple[int, int]:
     """(Σ r·(d_in + d_out) over the adapted matrices, their number)."""
     layers = lora_layers(model)
     return sum(r * (layer.in_features + layer.out_features) for _, layer in layers), len(layers)
+
+
+def planned_trainable(model: torch.nn.Module, settings: LoraSettings) -> int:
+    """What apply_lora will train, from the architecture alone (a meta model is enough): Σ r·(d_in + d_out) over the
+    targeted linear layers (all-linear: every Linear but the output layer, as peft) + the listed modules_to_save."""
+    output = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        short = name.rpartition(".")[2]
+        if not isinstance(module, torch.nn.Linear) or module is output:
+            continue
+        if settings.target_modules == ALL_LINEAR or short in settings.target_modules:
+            total += settings.r * (module.in_features + module.out_features)
+    saved = settings.modules_to_save or ()
+    return total + sum(p.numel() for name, m in model.named_modules() if name.rpartition(".")[2] in saved
+                       for p in m.parameters())
 
 
 def count_trainable(model: torch.nn.Module) -> tuple[int, int]:
@@ -167,10 +208,39 @@ def fresh_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.
     return fresh.eval()
 
 
+def check_whole_adapters(state: dict[str, torch.Tensor]) -> None:
+    """Every LoRA matrix in a state dict about to be saved is whole: 2-D and non-empty. A ZeRO-3 partition or an
+    FSDP2 shard saved without gathering is empty or flat (a known way to write adapters that load as zeros)."""
+    bad = [f"{name} {tuple(t.shape)}" for name, t in state.items()
+           if ("lora_A" in name or "lora_B" in name) and (t.ndim != 2 or t.numel() == 0)]
+    if bad:
+        raise RuntimeError(f"lora export: {len(bad)} adapter tensors are not whole matrices (not gathered?): "
+                           f"{', '.join(bad[:4])}")
+
+
+def save_quantized_adapter_and_merged(model: torch.nn.Module, hf_dir: Path, adapter_dir: Path) -> None:
+    """QLoRA: adapter/ from the model itself (whole on DDP); hf/ merged into the base reloaded unquantized (fp32,
+    CPU) from where it came, not into 4-bit weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(adapter_dir, safe_serialization=True)
+    source = unwrap_peft(model).config._name_or_path
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map={"": "cpu"})
+    PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(hf_dir, safe_serialization=True)
+    log.info("qlora: adapters in %s, merged into the fp32 base from %s in %s", adapter_dir, source, hf_dir)
+
+
 def save_adapter_and_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], hf_dir: Path,
                             adapter_dir: Path) -> None:
     """`adapter_dir`: peft format (PeftModel.from_pretrained(base, adapter_dir) loads it); `hf_dir`: the base
-    with the adapters merged in (a plain transformers folder). Rank 0 only, from the full state dict."""
+    with the adapters merged in (a plain transformers folder). Rank 0 only, from the full (gathered) state dict,
+    merged in a fresh single-process copy: peft's merge edits `base_layer.weight` in place, which under ZeRO-3 or
+    FSDP2 is a partition or a shard."""
+    if is_quantized(model):
+        save_quantized_adapter_and_merged(model, hf_dir, adapter_dir)
+        return
+    check_whole_adapters(state)
     fresh = fresh_copy(model, state)
     fresh.peft_config["default"].base_model_name_or_path = getattr(unwrap_peft(model).config, "_name_or_path", None)
     fresh.save_pretrained(adapter_dir, safe_serialization=True)

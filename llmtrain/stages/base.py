@@ -48,6 +48,9 @@ class RoleSpec:
     head: str = "lm"  # "lm": next-token logits; "scalar": one score per token (models/load.py HEADS)
     trainable: bool = True
     lr: float | None = None  # this role's peak lr (PPO's actor and critic); None: optim.lr
+    # Under peft=lora this frozen role is the named trainable role's model with its adapters disabled: no second
+    # copy of the base (backends/adapter_off.py). Without LoRA the role is built from `source` as usual.
+    adapter_off_of: str | None = None
 
 
 class Stage(Protocol):

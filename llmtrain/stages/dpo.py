@@ -1,6 +1,7 @@
 """DPO: a trainable policy against a frozen reference, on pairs of responses to the same prompt.
 
-Roles: "policy" (trainable) and "reference" (frozen, built from the same source: the initial policy).
+Roles: "policy" (trainable) and "reference" (frozen, built from the same source: the initial policy; with
+peft=lora the policy itself with its adapters disabled, no second copy of the base).
 The reference's log-probs are computed in the same step from its frozen engine (same precision, no
 dropout), not precomputed. Loss of a step: Σ_pairs ℓ(β·((π_c − ref_c) − (π_r − ref_r))) / pairs in the
 global batch, ℓ from `dpo.loss` (sigmoid, with optional label smoothing = cDPO; ipo on length-averaged
@@ -26,7 +27,7 @@ class DPOStage:
     def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float,
                  padding_free: bool = False):
         self.roles = {"policy": RoleSpec(source, head="lm", trainable=True),
-                      "reference": RoleSpec(source, head="lm", trainable=False)}
+                      "reference": RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")}
         self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.average = loss in AVERAGED_LOGPS
@@ -50,8 +51,11 @@ class DPOStage:
         reference = engines["reference"]
 
         def micro_loss(module, batch: PairBatch):
+            # The reference first: with LoRA it is the policy's own model (adapters off), so its no-grad forward
+            # does not fall between the policy's forward and backward.
+            reference_logps = self.reference_logps(reference, batch)
             policy = self.logps(module, batch)
-            terms = self.terms(policy, self.reference_logps(reference, batch))
+            terms = self.terms(policy, reference_logps)
             return terms.losses.sum(), dpo_stat_sums(terms, *policy)
 
         pairs = sum(b.num_pairs for b in micro_batches)

@@ -1,5 +1,6 @@
-"""`recipe=lora_sft_tiny` as a user runs it: LoRA adapters on a seeded random 2-layer Llama learn the reversal task
-(the thresholds the README states), and both exports reproduce the adapted model."""
+"""`recipe=lora_sft_tiny` as a user runs it: LoRA adapters on the tiny pretrained base (`${base:pretrain_tiny}`, which
+has not learned reversal) learn the reversal task (the thresholds the README states), and both exports reproduce the
+adapted model."""
 
 from __future__ import annotations
 
@@ -18,31 +19,27 @@ def lora_run(tmp_path_factory):
 
 
 def test_lora_sft_tiny_learns(lora_run):
-    """Measured: eval loss 5.52 -> 4.68, accuracy 0.008 -> 0.32 (the frozen random output layer caps the logits'
-    scale, so the loss stays high); 77,824 trainable parameters = Σ r·(d_in + d_out), r 16, 14 matrices."""
+    """Measured: eval loss 7.02 -> 1.94, accuracy 0.016 -> 0.498 (greedy exact match 0 -> 0.02 on the 256 held-out
+    reversals); 77,824 trainable parameters = Σ r·(d_in + d_out), r 16, 14 matrices."""
     train, evals = read_metrics(lora_run)
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 500
-    assert evals[-1]["eval_loss"] <= evals[0]["eval_loss"] - 0.6, (evals[0], evals[-1])
-    assert evals[-1]["eval_accuracy"] >= evals[0]["eval_accuracy"] + 0.25
+    assert evals[0]["eval_accuracy"] < 0.05  # the base has not learned the task
+    assert evals[-1]["eval_loss"] <= evals[0]["eval_loss"] - 4.0, (evals[0], evals[-1])
+    assert evals[-1]["eval_accuracy"] >= evals[0]["eval_accuracy"] + 0.4
     checkpoint = lora_run / "checkpoints" / "step_500" / "engines" / "policy" / "model.pt"
     state = torch.load(checkpoint, weights_only=True)
     assert sum(t.numel() for t in state.values()) == 77_824
 
 
 def test_merged_export_equals_the_adapted_model(lora_run):
-    """The base rebuilt from the recipe's seed (the seeded init) + adapter/ = the adapted model; hf/ (merged) gives
-    its logits to 1e-4."""
+    """The base (the pretrain_tiny export the run names) + adapter/ = the adapted model; hf/ (merged) gives its logits
+    to 1e-4."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtrain.models.load import build_model, load_tokenizer
-
-    config = yaml.safe_load((lora_run / "config.yaml").read_text())
-    m = config["model"]
-    tokenizer = load_tokenizer(m["tokenizer"], trust_remote_code=False)
-    base = build_model(name_or_path=None, from_config=m["from_config"], config_path=None, tokenizer=tokenizer,
-                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=False,
-                       trust_remote_code=False, seed=config["trainer"]["seed"])
+    base_dir = yaml.safe_load((lora_run / "config.yaml").read_text())["model"]["name_or_path"]
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
     adapted = PeftModel.from_pretrained(base, lora_run / "adapter").eval()
     merged = AutoModelForCausalLM.from_pretrained(lora_run / "hf", dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.tensor([tokenizer("reverse: hello\nolleh").input_ids])
@@ -52,8 +49,8 @@ def test_merged_export_equals_the_adapted_model(lora_run):
 
 def test_reward_and_dpo_take_lora(tmp_path):
     """peft=lora on the pair stages (3 steps each from ${base:sft_tiny}): the reward model trains its new score
-    head in full next to the adapters and exports a sequence classifier; DPO's frozen reference is the plain
-    base, so step 1's loss is ln 2 (B = 0: policy = reference)."""
+    head in full next to the adapters and exports a sequence classifier; DPO's reference is the policy with its
+    adapters disabled, so step 1's loss is ln 2 (B = 0: policy = reference)."""
     import math
 
     from transformers import AutoModelForSequenceClassification
@@ -66,6 +63,8 @@ def test_reward_and_dpo_take_lora(tmp_path):
     assert "39040 trainable parameters" in result.stderr
     AutoModelForSequenceClassification.from_pretrained(rm / "hf", dtype=torch.float32)
     assert (rm / "adapter" / "adapter_config.json").is_file()
-    assert_ok(run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600))
+    result = run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600)
+    assert_ok(result)
+    assert "reference: the policy with adapters disabled (no second copy of the base)" in result.stderr
     first = read_metrics(dpo)[0][0]
     assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0

@@ -23,9 +23,9 @@ def tokenizer():
     return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
-def build(tokenizer, lora=LORA, head="lm", seed=0):
+def build(tokenizer, lora=LORA, head="lm", seed=0, activation_checkpointing=False):
     return build_model(name_or_path=None, from_config=TINY, config_path=None, tokenizer=tokenizer,
-                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=False,
+                       attn_implementation="sdpa", dropout=0.0, activation_checkpointing=activation_checkpointing,
                        trust_remote_code=False, head=head, seed=seed, lora=lora)
 
 
@@ -51,13 +51,28 @@ def test_lora_group_composes_and_reaches_the_settings():
     (["peft.target_modules=[lm_head]"], "peft.target_modules: lm_head is the output layer"),
     (["peft.target_modules=some"], "peft.target_modules='some' must be all-linear or a list"),
     (["backend=fsdp2_tp"], "peft=lora with backend.tp=2"),
-    (["backend=zero3"], "peft=lora with backend.zero_stage=3: not yet"),
+    (["stage=dpo", "peft.dropout=0.1"], "the first ratio would not be 1. Set peft.dropout=0"),
 ])
 def test_bad_lora_configs_name_the_field(overrides, message):
     cfg = compose_config(["recipe=sft_tiny", "peft=lora", *overrides])
     with pytest.raises(ConfigError, match="invalid config") as error:
         validate(cfg, world_size=2)
     assert message in str(error.value)
+
+
+def test_qlora_needs_a_cuda_gpu_and_ddp():
+    """peft.load_in_4bit=true is refused before any model loads where there is no CUDA device (this CPU machine; the
+    CUDA path, NF4 + prepare_model_for_kbit_training, is not run here), and on any backend but ddp."""
+    settings = LoraSettings.from_config(compose_config(["recipe=sft_tiny", "peft=lora", "peft.load_in_4bit=true"]).peft)
+    assert settings.load_in_4bit
+    cfg = compose_config(["recipe=sft_tiny", "peft=lora", "peft.load_in_4bit=true", "backend=fsdp2"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, world_size=2)
+    message = str(error.value)
+    if not torch.cuda.is_available():
+        assert "peft.load_in_4bit=true (QLoRA) needs a CUDA GPU and bitsandbytes" in message
+    assert "peft.load_in_4bit=true runs on backend=ddp only (backend.name=fsdp2" in message
+    assert "set model.name_or_path" in message  # sft_tiny is a random init: nothing to quantize
 
 
 def test_target_or_saved_module_that_matches_nothing_names_the_field(tokenizer):
@@ -136,3 +151,117 @@ def test_adapter_and_merged_exports_reproduce_the_adapted_logits(tokenizer, tmp_
         reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=x).logits, expected, rtol=0, atol=1e-5)
     assert adapter_dir_for(tmp_path / "reward_hf").name == "reward_adapter"
+    sharded = {**model.state_dict()}
+    name = next(n for n in sharded if "lora_A" in n)
+    sharded[name] = torch.empty(0)  # a ZeRO-3 partition saved without gathering
+    with pytest.raises(RuntimeError, match=f"not whole matrices.*{name}"):
+        save_adapter_and_merged(model, sharded, tmp_path / "hf2", tmp_path / "adapter2")
+
+
+# ---- DPO's reference by adapter switch ---------------------------------------------------------------
+
+def dpo_engines(tokenizer, lora):
+    """A DPO stage's engines on one process (DDP backend, world 1), policy with `lora`."""
+    from llmtrain.backends.base import OptimizerSpec
+    from llmtrain.backends.ddp import DDPBackend
+    from llmtrain.parallel import DistContext
+    from llmtrain.roles import ModelOptions, build_engines
+    from llmtrain.stages.base import ModelSource
+    from llmtrain.stages.dpo import DPOStage
+
+    stage = DPOStage(ModelSource(None, TINY), tokenizer.pad_token_id, beta=0.5, loss="sigmoid", label_smoothing=0.0)
+    backend = DDPBackend(DistContext(0, 0, 1, torch.device("cpu")), "fp32")
+    optim = OptimizerSpec(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0,
+                          schedule="constant", min_lr_ratio=1.0, max_grad_norm=0.0, max_steps=2)
+    engines = build_engines(stage.roles, backend, tokenizer, ModelOptions("sdpa", 0.0, False), 0, optim, lora=lora)
+    return stage, engines
+
+
+def pairs(tokenizer, stage, n=4):
+    from llmtrain.losses.lm import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for _ in range(n):
+        prompt, chosen, rejected = (torch.randint(3, 200, (k,), generator=g).tolist() for k in (5, 4, 6))
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            examples.append({f"{side}_input_ids": prompt + response,
+                             f"{side}_labels": [IGNORE_INDEX] * len(prompt) + response})
+    merged = [{**examples[2 * i], **examples[2 * i + 1]} for i in range(n)]
+    return stage.collate(merged)
+
+
+def test_dpo_reference_is_the_policy_with_adapters_off(tokenizer):
+    """peft=lora: the reference is the policy's own model (one copy of the base) run with adapters disabled; step 1's
+    loss is exactly ln 2 (B = 0) with rewards 0, and after a step the reference's log-probs are still the base's
+    while the policy's moved."""
+    import math
+
+    from llmtrain.backends.adapter_off import AdapterOffEngine
+    from llmtrain.stages.base import Updater
+
+    stage, engines = dpo_engines(tokenizer, LORA)
+    policy, reference = engines["policy"], engines["reference"]
+    assert isinstance(reference, AdapterOffEngine) and not reference.trainable
+    assert reference.model is policy.model and reference.model_state_bytes() is None
+    unique = {id(p): p.numel() for e in engines.values() for p in e.model.parameters()}
+    assert sum(unique.values()) == count_trainable(policy.model)[1]  # every parameter once: no second base
+    batch = pairs(tokenizer, stage)
+    base = build(tokenizer, lora=None).eval()  # the same seed: the base the policy was built on
+    with torch.no_grad():
+        base_logps = stage.logps(base, batch)
+    updater = Updater(torch.device("cpu"), skip_nonfinite=False)
+    first = stage.train_step([batch], engines, updater)
+    assert first["loss"] == torch.tensor(math.log(2)).item() and first["reward_margin"] == 0  # ln 2 in fp32 and first["reward_chosen"] == 0
+    assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())  # put back
+    second = stage.train_step([batch], engines, updater)
+    assert abs(second["loss"] - math.log(2)) > 1e-6 and second["reward_margin"] != 0
+    with torch.no_grad():
+        ref_logps, policy_logps = stage.reference_logps(reference, batch), stage.logps(policy.module, batch)
+    for ours, expected in zip(ref_logps, base_logps):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(policy_logps[0], base_logps[0])
+    assert policy.model.training  # the view's forward put the policy's mode back
+
+
+def test_without_lora_the_reference_is_a_frozen_copy(tokenizer):
+    _, engines = dpo_engines(tokenizer, None)
+    assert engines["reference"].model is not engines["policy"].model and not engines["reference"].trainable
+
+
+def test_plan_counts_the_frozen_base_as_weights_only():
+    """The dry-run plan under peft=lora: the adapters' count (the formula, from the architecture alone) with grads
+    and Adam, the base as fp32 weights; DPO's reference holds nothing of its own."""
+    from llmtrain.metrics.flops import human
+    from llmtrain.run import describe_plan
+
+    cfg = compose_config(["recipe=lora_sft_tiny"])
+    plan = describe_plan(cfg, 1, torch.device("cpu"), "fp32")
+    base = 539_008 - 77_824  # the run logs 77,824 trainable of 539,008 (the adapters come on top of the base)
+    assert "LoRA: 77,824 trainable, the base as weights only" in plan
+    assert f"≈ {human(16 * 77_824 + 4 * base, 'B', 1024)} per rank" in plan
+    dpo = describe_plan(compose_config(["recipe=lora_sft_tiny", "stage=dpo"]), 1, torch.device("cpu"), "fp32")
+    assert "reference (the policy with adapters disabled: no weights of its own)" in dpo
+
+
+def test_activation_checkpointing_with_lora_gives_the_same_loss_and_adapter_gradients(tokenizer):
+    """model.activation_checkpointing=true (transformers' non-reentrant checkpointing, set before peft wraps the
+    model): the frozen embeddings' output needs no grad, the adapters still get theirs, equal to without it."""
+    x = ids(len(tokenizer))
+    results = []
+    for checkpointing in (False, True):
+        model = build(tokenizer, activation_checkpointing=checkpointing).train()
+        assert unwrap_peft(model).is_gradient_checkpointing == checkpointing
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:  # B = 0 would leave A's gradient 0
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+        results.append((loss.detach(), grads))
+    (loss, grads), (loss_ac, grads_ac) = results
+    assert torch.equal(loss, loss_ac)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-5, atol=1e-7)
