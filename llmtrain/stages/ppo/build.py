@@ -16,7 +16,8 @@ from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
 
 def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
     """actor (trainable), critic (trainable, when the advantage needs one), reference (frozen copy of the initial
-    actor), reward (a frozen reward model, when ppo.reward.model is set)."""
+    actor, or the actor with adapters disabled under peft=lora), reward (a frozen reward model, when
+    ppo.reward.model is set)."""
     p = cfg.ppo
     reward_source = None if p.reward.model is None else ModelSource(p.reward.model,
                                                                    trust_remote_code=source.trust_remote_code)
@@ -24,7 +25,8 @@ def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
     if needs_critic[p.advantage]:
         critic_source = reward_source if p.critic.init == "reward" else source  # policy: a fresh, seeded value head
         roles["critic"] = RoleSpec(critic_source, head="scalar", trainable=True, lr=p.critic.lr)
-    roles["reference"] = RoleSpec(source, head="lm", trainable=False)
+    # under peft=lora: the actor with its adapters off (no second copy of the base); else a frozen copy
+    roles["reference"] = RoleSpec(source, head="lm", trainable=False, adapter_off_of="actor")
     if reward_source is not None:
         roles["reward"] = RoleSpec(reward_source, head="scalar", trainable=False)
     return roles
