@@ -93,4 +93,7 @@ def main(model_dir: str, backend_name: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from llmtrain.parallel import exit_process
+
     main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    exit_process(0)

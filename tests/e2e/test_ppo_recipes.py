@@ -1,0 +1,111 @@
+"""ppo_tiny and grpo_tiny as a user runs them (one run each, read by several tests): the score rises while the
+KL stays small, held-out greedy exact match improves, the first ratio is exactly 1 every iteration; a user's reward
+function by `module:attribute`; a reward model directory as the frozen reward role and the critic's start."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli, run_recipe
+
+pytestmark = pytest.mark.e2e
+
+WINDOW = 10
+PPO_KEYS = ("score", "score_std", "reward", "kl", "kl_token", "kl_coef", "policy_loss", "value_loss", "clip_frac",
+            "approx_kl", "entropy", "explained_var", "response_len", "first_ratio_dev", "time_rollout_s",
+            "time_experience_s", "time_update_s", "generation_share")
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory) -> Path:
+    return run_recipe(tmp_path_factory, "ppo_tiny")
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory) -> Path:
+    return run_recipe(tmp_path_factory, "grpo_tiny")
+
+
+def windowed(train: list[dict], key: str) -> tuple[float, float]:
+    """(mean of the first 10 iterations, mean of the last 10)."""
+    first, last = train[:WINDOW], train[-WINDOW:]
+    return sum(r[key] for r in first) / len(first), sum(r[key] for r in last) / len(last)
+
+
+@pytest.mark.parametrize("run_name", ["ppo_run", "grpo_run"])
+def test_score_rises_while_kl_stays_small(run_name, request):
+    train, evals = read_metrics(request.getfixturevalue(run_name))
+    before, after = windowed(train, "score")
+    assert after - before >= 0.03, (before, after)
+    assert max(r["kl"] for r in train) < 1.0
+    assert evals[-1]["eval_exact_match"] > evals[0]["eval_exact_match"]  # held-out, greedy
+    assert [r["first_ratio_dev"] for r in train] == [0.0] * len(train)
+
+
+def test_ppo_logs_every_key_and_exports_actor_and_critic(ppo_run):
+    train, evals = read_metrics(ppo_run)
+    assert all(key in train[0] for key in PPO_KEYS)
+    assert {"eval_score", "eval_exact_match"} <= set(evals[0])
+    assert 0 < train[-1]["generation_share"] < 1
+    config = json.loads((ppo_run / "critic_hf" / "config.json").read_text())
+    assert config["num_labels"] == 1 and (ppo_run / "hf" / "config.json").is_file()
+
+
+def test_grpo_has_no_critic_and_keeps_the_kl_in_the_loss(grpo_run):
+    train, _ = read_metrics(grpo_run)
+    assert "value_loss" not in train[0] and "kl_loss" in train[0]
+    assert not (grpo_run / "critic_hf").exists()
+    assert sorted(p.name for p in (grpo_run / "checkpoints" / "step_60" / "engines").iterdir()) == ["actor", "reference"]
+
+
+SHORT = ["trainer.max_steps=2", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
+         "ppo.rollout.prompts_per_step=8", "ppo.mini_batch_size=8", "ppo.epochs=1", "trainer.micro_batch_size=8",
+         "ppo.rollout.max_new_tokens=8", "data.eval_files=[]"]
+
+
+def test_a_user_reward_function_by_module_and_attribute_gets_the_columns(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(f"""
+        import json
+
+        def score(prompts, responses, response):
+            with open({str(tmp_path / 'calls.jsonl')!r}, "a") as f:
+                f.write(json.dumps({{"prompts": prompts, "responses": responses, "response": response}}) + "\\n")
+            return [float(len(r)) for r in responses]
+    """))
+    out = tmp_path / "run"
+    env = cli_env(PYTHONPATH=f"{tmp_path}:{Path(__file__).resolve().parents[2]}")
+    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=my_rewards:score", f"output_dir={out}"], env=env))
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 and all(len(c["prompts"]) == 8 == len(c["response"]) for c in calls)
+    assert calls[0]["prompts"][0].startswith("reverse: ")  # the raw prompt column, not the templated ids
+    train, _ = read_metrics(out)
+    lengths = [sum(len(r) for r in c["responses"]) / 8 for c in calls]
+    assert [r["score"] for r in train] == pytest.approx(lengths)
+
+
+def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                                  pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    reward_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    exported = json.loads((reward_dir / "config.json").read_text())
+    (reward_dir / "config.json").write_text(json.dumps({**exported, "reward_mean": 0.5, "reward_std": 2.0}))
+    out = tmp_path / "run"
+    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=null", f"ppo.reward.model={reward_dir}",
+                       "ppo.reward.normalize=true", "ppo.critic.init=reward", f"output_dir={out}"]))
+    train, _ = read_metrics(out)
+    assert len(train) == 2 and all(abs(r["score"]) < 10 for r in train)
+    engines = out / "checkpoints" / "step_2" / "engines"
+    assert sorted(p.name for p in engines.iterdir()) == ["actor", "critic", "reference", "reward"]
+    assert json.loads((engines / "reward" / "frozen.json").read_text())["source"] == str(reward_dir)
