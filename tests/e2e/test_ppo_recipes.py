@@ -60,7 +60,7 @@ def test_grpo_has_no_critic_and_keeps_the_kl_in_the_loss(grpo_run):
     train, _ = read_metrics(grpo_run)
     assert "value_loss" not in train[0] and "kl_loss" in train[0]
     assert not (grpo_run / "critic_hf").exists()
-    assert sorted(p.name for p in (grpo_run / "checkpoints" / "step_60" / "engines").iterdir()) == ["actor", "reference"]
+    assert sorted(p.name for p in (grpo_run / "checkpoints" / "step_80" / "engines").iterdir()) == ["actor", "reference"]
 
 
 SHORT = ["trainer.max_steps=2", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
