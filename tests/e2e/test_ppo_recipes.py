@@ -109,3 +109,15 @@ def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
     engines = out / "checkpoints" / "step_2" / "engines"
     assert sorted(p.name for p in engines.iterdir()) == ["actor", "critic", "reference", "reward"]
     assert json.loads((engines / "reward" / "frozen.json").read_text())["source"] == str(reward_dir)
+
+
+def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(tmp_path):
+    """peft=lora: the reference is the actor with its adapters disabled (no second copy of the base): at the first
+    iteration the KL is exactly 0 and the first ratio exactly 1; only the adapters train."""
+    out = tmp_path / "run"
+    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "peft=lora", "peft.r=4", f"output_dir={out}"]))
+    train, _ = read_metrics(out)
+    assert train[0]["kl"] == 0.0 and [r["first_ratio_dev"] for r in train] == [0.0, 0.0]
+    reference = json.loads((out / "checkpoints" / "step_2" / "engines" / "reference" / "frozen.json").read_text())
+    assert reference.get("adapter_off_of") == "actor"
+    assert (out / "adapter").is_dir() and (out / "critic_hf").is_dir()
