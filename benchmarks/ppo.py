@@ -196,7 +196,7 @@ def contenders(args, work: Path, tmp: Path, model: str, prompts: Path) -> dict:
                                    variant, "--out", out]
 
     found = {"llmtrain grpo": llmtrain("grpo"), "TRL GRPOTrainer": trl("default"),
-             "TRL GRPOTrainer, checkpoint's use_cache (off)": trl("checkpoint_cache"),
+             "TRL GRPOTrainer, no KV cache (checkpoint default)": trl("checkpoint_cache"),
              "llmtrain ppo, KV cache": llmtrain("ppo"), "llmtrain ppo, no KV cache": llmtrain("ppo_nocache")}
     return T.selected(found, args.only)
 

@@ -173,6 +173,8 @@ def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: floa
                 status = f"{result['tokens_per_s']:8.0f} tok/s"
             elif "pairs_per_s" in result:
                 status = f"{result['pairs_per_s']:8.2f} pairs/s"
+            elif "steps_per_s" in result:  # ppo suite
+                status = f"{result['steps_per_s']:8.2f} steps/s {result['generated_tokens_per_s']:6.0f} gen tok/s"
             else:
                 status = "FAILED " + run.get("error", "")
             print(f"  round {r} {name:<32} {status}  (wall {proc['wall_s']:.0f}s, others' load "
@@ -387,7 +389,8 @@ def main() -> None:
         work.mkdir()
         info = prepare(work)
         host = machine()
-        print(f"suite {args.suite}: {info['parameters']:,} parameters, {args.rounds} round(s), warm-up {args.warmup} + "
+        size = "" if args.suite == "ppo" else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
+        print(f"suite {args.suite}: {size}{args.rounds} round(s), warm-up {args.warmup} + "
               f"{args.steps} timed steps; load average {host['load_average_before']}", flush=True)
         body = suite(args, work, tmp, info)
         for run in body["runs"]:  # logs live in the temp dir: keep the tail of failed ones
