@@ -39,7 +39,7 @@ import common as C  # noqa: E402
 RANK = int(os.environ.get("RANK", "0"))
 
 
-UNITS = ("tokens", "pairs")  # what a stage's step record counts (Stage.count_name)
+UNITS = ("tokens", "pairs", "samples")  # what a stage's step record counts (Stage.count_name; PPO/GRPO: samples)
 
 
 def step_unit(record: dict) -> str | None:
@@ -139,6 +139,8 @@ def summarise(overrides: list[str], warmup: int, comm_step: int | None) -> dict:
     if comm_step is not None:  # the counted step runs under a dispatch mode: not timed
         steps = [r for r in steps if r["step"] < comm_step]
     unit = step_unit(steps[0])
+    if unit == "samples":  # PPO / GRPO: steps/s, generated tokens/s, the stage's own time split
+        return rl_summary(steps, warmup)
     result = C.window_throughput([r["wall_time"] for r in steps], [r[unit] for r in steps], warmup,
                                  [r["cpu_time"] for r in steps])
     if unit == "pairs":  # the same window, counted in pairs (reward model, DPO)
@@ -154,6 +156,20 @@ def summarise(overrides: list[str], warmup: int, comm_step: int | None) -> dict:
     memory = {k: v for r in records for k, v in r.items() if k.startswith("memory_")}
     if memory:
         result["logged_memory"] = memory
+    return result
+
+
+def rl_summary(steps: list[dict], warmup: int) -> dict:
+    """PPO / GRPO step records: steps/s and generated tokens/s (response_len x samples: tokens through the first
+    EOS) over the same wall-clock window, and the mean of the stage's time split over the timed steps."""
+    from ppo import SPLIT, window
+
+    timed = steps[warmup:]
+    result = window([r["wall_time"] for r in steps], [r["response_len"] * r["samples"] for r in steps], warmup,
+                    [r["cpu_time"] for r in steps])
+    result["split"] = {k: sum(r[k] for r in timed) / len(timed) for k in (*SPLIT, "time_gather_s", "generation_share")}
+    result["scores"], result["losses"] = [r["score"] for r in steps], [r["loss"] for r in steps]
+    result["first_ratio_dev_max"] = max(r["first_ratio_dev"] for r in steps)
     return result
 
 

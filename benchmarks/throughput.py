@@ -6,6 +6,7 @@ llmtrain, and per backend.
     python benchmarks/throughput.py --suite backends --nproc 2   # DDP, ZeRO-1/2/3, ZeRO-3 offload, FSDP2, FSDP2+TP
     python benchmarks/throughput.py --suite gpu                  # MFU; exits with a message without a GPU
     python benchmarks/throughput.py --suite preference           # reward model and DPO vs TRL (pairs/s), preference.py
+    python benchmarks/throughput.py --suite ppo                  # GRPO vs TRL GRPOTrainer; PPO's time split, ppo.py
 
 Every contender runs in its own process (peak RSS is its own, read with wait4), on the same tiny Llama
 (same initial weights), the same generated variable-length SFT data (common.DATA), AdamW with the same
@@ -172,6 +173,8 @@ def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: floa
                 status = f"{result['tokens_per_s']:8.0f} tok/s"
             elif "pairs_per_s" in result:
                 status = f"{result['pairs_per_s']:8.2f} pairs/s"
+            elif "steps_per_s" in result:  # ppo suite
+                status = f"{result['steps_per_s']:8.2f} steps/s {result['generated_tokens_per_s']:6.0f} gen tok/s"
             else:
                 status = "FAILED " + run.get("error", "")
             print(f"  round {r} {name:<32} {status}  (wall {proc['wall_s']:.0f}s, others' load "
@@ -320,6 +323,13 @@ def suite_preference(args, work: Path, tmp: Path, info: dict) -> dict:
     return preference.run_suite(args, work, tmp, info)
 
 
+# ---- ppo: GRPO against TRL's GRPOTrainer, PPO's time split with and without the KV cache (ppo.py) ------------
+
+def suite_ppo(args, work: Path, tmp: Path, info: dict) -> dict:
+    import ppo
+    return ppo.run_suite(args, work, tmp, info)
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 
 def machine() -> dict:
@@ -343,14 +353,15 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference"], required=True)
+    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo"], required=True)
     parser.add_argument("--baseline", default="eff726e",
                         help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
                              "last commit before per-sample attention, best-fit packing and the DDP changes)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --suite backends")
     parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small, compare, gpu), 1 (backends)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default: 5; backends 4, gpu 20, preference 8)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default: 5; backends 4, gpu 20, preference 8, "
+                        "ppo 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per contender (cpu-small, compare)")
     parser.add_argument("--only", nargs="*", help="contenders whose name contains one of these words")
     parser.add_argument("--backends", nargs="*", choices=BACKENDS)
@@ -366,9 +377,9 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     args.rounds = args.rounds or {"backends": 1, "gpu": 3}.get(args.suite, 3)
-    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8}.get(args.suite, 5)
+    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8, "ppo": 10}.get(args.suite, 5)
     suite = {"cpu-small": suite_cpu_small, "compare": suite_compare, "backends": suite_backends,
-             "gpu": suite_gpu, "preference": suite_preference}[args.suite]
+             "gpu": suite_gpu, "preference": suite_preference, "ppo": suite_ppo}[args.suite]
     if args.suite == "gpu" and gpu_missing():
         return
     started = time.time()
@@ -378,7 +389,8 @@ def main() -> None:
         work.mkdir()
         info = prepare(work)
         host = machine()
-        print(f"suite {args.suite}: {info['parameters']:,} parameters, {args.rounds} round(s), warm-up {args.warmup} + "
+        size = "" if args.suite == "ppo" else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
+        print(f"suite {args.suite}: {size}{args.rounds} round(s), warm-up {args.warmup} + "
               f"{args.steps} timed steps; load average {host['load_average_before']}", flush=True)
         body = suite(args, work, tmp, info)
         for run in body["runs"]:  # logs live in the temp dir: keep the tail of failed ones
@@ -390,8 +402,10 @@ def main() -> None:
               "data": dict(C.DATA, **info["data"], max_seq_len=C.MAX_SEQ_LEN), "optim": C.OPTIM,
               "global_batch": {"unpacked_samples": C.GLOBAL_BATCH_SAMPLES, "packed_rows": C.GLOBAL_BATCH_ROWS_PACKED},
               "wall_s": time.time() - started, **body}
-    if args.suite == "preference":  # trains on its own pairs and batch (result["preference"]), not the SFT samples
+    if args.suite in ("preference", "ppo"):  # trains on its own pairs or prompts and batch, not the SFT samples
         result.pop("data"), result.pop("global_batch")
+    if args.suite == "ppo":  # the sft_tiny base (result["ppo"]["model"]), not common.MODEL
+        result.pop("model")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.suite}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
