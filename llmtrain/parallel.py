@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import sys
+import time
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -107,10 +108,30 @@ def barrier() -> None:
 _had_process_group = False  # set once this process joined a process group
 
 
+def quiesce() -> None:
+    """A barrier on every process group this rank belongs to, in creation order (the same on every rank).
+
+    Why: gloo's worker threads drop their reference to each finished work (with its tensors) after signalling it
+    done; when that is the last reference, freeing the tensors needs the GIL. A group's destructor joins its
+    worker threads while the freeing thread holds the GIL (DDP's Reducer or an engine released at the end of a
+    run): the worker waits for the GIL, the destructor for the worker — a hang (seen in a 2-rank DDP run), or at
+    interpreter exit an abort. After a barrier every work that held tensors has run; the short sleep (GIL released)
+    lets the worker that ran the last one drop it, which it does just after signalling it done."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_map):
+        if dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
+    time.sleep(0.1)
+
+
 def shutdown() -> None:
     global _had_process_group
     if dist.is_initialized():
         _had_process_group = True
+        quiesce()
         dist.destroy_process_group()
 
 
@@ -120,7 +141,8 @@ def exit_process(code: int) -> None:
     and DeviceMesh's sub-groups); freeing them while the interpreter finalises aborts the process ("terminate
     called without an active exception", SIGABRT), which turned finished, fully saved runs into failed jobs about
     once in fifty 2-rank CPU runs here (pytorch/pytorch#179291 describes the mechanism). Everything the run writes
-    is closed and fsynced before this point; only stdio and logging are flushed here."""
+    is closed and fsynced before this point; only stdio and logging are flushed here. (`quiesce` prevents the
+    same race while the process still runs.)"""
     if not _had_process_group:
         sys.exit(code)
     logging.shutdown()

@@ -18,22 +18,25 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from llmtrain.config import PAIR_STAGES, ConfigError
+from llmtrain.config import ADAPTER_REFERENCE_STAGES, PAIR_STAGES, ConfigError
 from llmtrain.metrics.cost import (GIB, Collective, Layout, RoleParams, StateBytes, activation_bytes,
                                    activation_bytes_per_layer, communication, logits_bytes, state_bytes, step_seconds)
 from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
-from llmtrain.metrics.memory import planned_model_state_bytes
+from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
 
 COMPARED = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_tp")
 USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets, fragmentation take the rest
 
 
-def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int) -> RoleParams:
-    """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen.
+def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False) -> RoleParams:
+    """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen; a view
+    (LoRA's reference: the policy with adapters disabled) holds nothing of its own.
     The numbers only: metrics/cost.py takes any (trainable, frozen) pair, so a LoRA counter elsewhere plugs in."""
     t, f = (lora, facts.params) if trainable and lora else (facts.params, 0) if trainable else (0, facts.params)
+    if view:
+        t, f = 0, 0
     persistent = sum(n for n in facts.numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
     root = facts.params - facts.layers * facts.block  # embeddings, final norm, head: FSDP2's root group
     working = 2 * facts.block + (root if layout.library == "fsdp2" else max(facts.embed, facts.head))
@@ -80,6 +83,7 @@ class Setting:
     facts: ModelFacts
     roles: dict[str, bool]  # role -> trainable
     lora: int
+    views: frozenset[str]  # frozen roles that are a trainable role's model with adapters off (no weights of their own)
     precision: str
     gpu: Gpu
     world: int
@@ -132,7 +136,8 @@ def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 <
 
 def plan_row(st: Setting, layout: Layout) -> Row:
     f, on_gpu = st.facts, st.gpu.name != "cpu"
-    states = {role: state_bytes(role_params(f, layout, trainable, st.lora), layout, st.precision, st.accum, on_gpu)
+    states = {role: state_bytes(role_params(f, layout, trainable, st.lora, role in st.views), layout, st.precision,
+                                st.accum, on_gpu)
               for role, trainable in st.roles.items()}
     fixed = sum(s.device for s in states.values())
     act, logit = _per_micro(st, layout, st.micro)
@@ -140,7 +145,8 @@ def plan_row(st: Setting, layout: Layout) -> Row:
     device = fixed + act + logit
     tokens = st.micro * st.seq * st.rows_per_sample
     comm = [c for role, trainable in st.roles.items()
-            for c in communication(role_params(f, layout, trainable, st.lora), layout, st.precision, accum=st.accum,
+            for c in communication(role_params(f, layout, trainable, st.lora, role in st.views), layout, st.precision,
+                                   accum=st.accum,
                                    tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers,
                                    checkpointing=st.checkpointing, on_gpu=on_gpu)]
     times = None
@@ -172,7 +178,9 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
     from llmtrain.stages import stage_roles
 
     attn = cfg.model.attn_implementation
-    return Setting(facts=facts, roles=dict(stage_roles(cfg.stage.name, cfg)), lora=lora_trainable(cfg),
+    lora = lora_trainable(cfg)
+    views = frozenset({"reference"} if lora and cfg.stage.name in ADAPTER_REFERENCE_STAGES else ())
+    return Setting(facts=facts, roles=dict(stage_roles(cfg.stage.name, cfg)), lora=lora, views=views,
                    precision=precision, gpu=gpu, world=world, micro=cfg.trainer.micro_batch_size,
                    accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
                    rows_per_sample=2 if cfg.stage.name in PAIR_STAGES else 1,
@@ -247,9 +255,14 @@ def header(st: Setting) -> list[str]:
 
 def roles_summary(st: Setting, row: Row) -> str:
     """The stage's roles; a frozen role holds its weights only (sharded under ZeRO-3/FSDP2)."""
-    return "roles: " + ", ".join(f"{role} (trainable)" if st.roles[role] else
-                                 f"{role} (frozen: weights only ≈ {human(s.device, 'B', 1024)} per rank)"
-                                 for role, s in row.states.items())
+    def described(role: str, state) -> str:
+        if st.roles[role]:
+            return f"{role} (trainable)"
+        if role in st.views:
+            return f"{role} (the policy with adapters disabled: no weights of its own)"
+        return f"{role} (frozen: weights only ≈ {human(state.device, 'B', 1024)} per rank)"
+
+    return "roles: " + ", ".join(described(role, state) for role, state in row.states.items())
 
 
 def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
@@ -322,8 +335,11 @@ def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
     st = setting(cfg, world, gpu, precision, facts)
     row = plan_row(st, layout)
     dp, stage = data_parallel_size(cfg.backend, world), layout.stage
-    state = planned_model_state_bytes(num_params=facts.params, stage=stage, dp=dp,
-                                      mixed_precision=precision in ("bf16", "fp16"))
+    mixed = precision in ("bf16", "fp16")
+    # LoRA: the adapters (and modules_to_save copies) come on top of a base that is frozen whole: weights only
+    trainable, frozen = (st.lora, facts.params) if st.lora else (facts.params, 0)
+    state = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=dp, mixed_precision=mixed,
+                                frozen_elem_bytes=frozen_elem_bytes(cfg.backend.name, mixed))
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
              f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "
@@ -331,7 +347,8 @@ def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
              f"training FLOPs ≈ 6·M + 12·L·h·s = "
              f"{human(training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq), 'FLOP')} per token "
              f"at s={st.seq}",
-             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}) ≈ "
+             f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}"
+             f"{'' if not st.lora else f'; LoRA: {st.lora:,} trainable, the base as weights only'}) ≈ "
              f"{human(state, 'B', 1024)} per rank per trainable role (activations not included)",
              roles_summary(st, row), batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}", ""]

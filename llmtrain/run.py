@@ -19,7 +19,7 @@ from llmtrain.data.pipeline import build_data, eval_batches, train_batches
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.load import load_tokenizer, model_config, resolve_attn_implementation
-from llmtrain.parallel import DistContext, env_world_size, init_distributed, resolve_device, shutdown
+from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages import build_stage
@@ -165,6 +165,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     try:
         trainer.fit()
         export(stage, engines, tokenizer, run_dir, ctx)
+        quiesce()  # before the engines (DDP's Reducer, DeepSpeed's groups) are released on return: see quiesce
     finally:
         for sink in trainer.sinks:
             sink.close()

@@ -222,13 +222,31 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_hf(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, directory: Path) -> None:
     """A Hugging Face folder from the full (gathered) state dict (None: the model's own, when it is whole).
     A peft model writes the merged weights there and its adapters in peft format next to it (`adapter/`)."""
-    from llmtrain.models.lora import adapter_dir_for, is_peft, save_adapter_and_merged
+    from llmtrain.models.lora import adapter_dir_for, is_peft, save_adapter_and_merged, unwrap_peft
 
-    if is_peft(model):
-        save_adapter_and_merged(model, model.state_dict() if state is None else state, directory,
-                                adapter_dir_for(directory))
-    else:
-        model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    with cache_on_for_export(unwrap_peft(model)):
+        if is_peft(model):
+            save_adapter_and_merged(model, model.state_dict() if state is None else state, directory,
+                                    adapter_dir_for(directory))
+        else:
+            model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def cache_on_for_export(model: torch.nn.Module):
+    """Training builds models with use_cache=False; an export written so would make every later `generate()` on it
+    run without a KV cache (several times slower; TRL's GRPOTrainer picks it up from generation_config.json)."""
+    generation = getattr(model, "generation_config", None)
+    saved = model.config.use_cache, getattr(generation, "use_cache", None)
+    model.config.use_cache = True
+    if generation is not None:
+        generation.use_cache = True
+    try:
+        yield
+    finally:
+        model.config.use_cache = saved[0]
+        if generation is not None:
+            generation.use_cache = saved[1]
 
 
 FROZEN_MARKER = "frozen.json"

@@ -183,6 +183,12 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     on_meta = torch.get_default_device().type == "meta"
     cls = auto_class(head)
     gather = gather or (lambda params: contextlib.nullcontext())
+    if from_config is not None:
+        # a config drawn up from sizes carries its family's default token ids (Llama: bos 1, eos 2), not the
+        # tokenizer's: an export would then stop generating at the wrong token
+        for name in ("bos_token_id", "eos_token_id"):
+            if getattr(tokenizer, name, None) is not None:
+                setattr(config, name, getattr(tokenizer, name))
     if from_config is not None or on_meta:
         try:
             model = cls.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32,

@@ -21,7 +21,7 @@ from llmtrain.backends import build_backend
 from llmtrain.compose import compose_config
 from llmtrain.data.prompts import PromptBatch
 from llmtrain.models.load import load_tokenizer
-from llmtrain.parallel import init_distributed, shutdown
+from llmtrain.parallel import init_distributed, quiesce, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run import backend_options, optimizer_spec
 from llmtrain.stages import build_stage
@@ -88,6 +88,7 @@ def main(model_dir: str, backend_name: str, out: Path) -> None:
         record = {"generated": generated.responses[0][generated.action_mask[0]].tolist(),
                   "advantages": exp.advantages.tolist(), "old_logps": exp.old_logps.tolist(), **metrics}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(record))
+        quiesce()  # before the engines go (llmtrain.parallel.quiesce)
     finally:
         shutdown()
 

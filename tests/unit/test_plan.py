@@ -32,7 +32,7 @@ def facts(params: int, *, layers: int = 24, hidden: int = 1024, heads: int = 16,
 
 def setting(f: ModelFacts, *, world: int, micro: int = 1, accum: int = 1, seq: int = 1024, precision: str = "bf16",
             gpu: str = "h100-80gb", roles: dict | None = None, checkpointing: bool = False) -> Setting:
-    return Setting(facts=f, roles=roles or {"policy": True}, lora=0, precision=precision, gpu=GPUS[gpu], world=world,
+    return Setting(facts=f, roles=roles or {"policy": True}, lora=0, views=frozenset(), precision=precision, gpu=GPUS[gpu], world=world,
                    micro=micro, accum=accum, seq=seq, rows_per_sample=1, checkpointing=checkpointing, scores=False,
                    mfu=0.4, logits_vocab=f.vocab)
 

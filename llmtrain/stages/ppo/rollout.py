@@ -67,7 +67,9 @@ def generation_config(settings: SamplingSettings, pad_token_id: int, eos_ids: li
     sample = settings.temperature > 0
     return GenerationConfig(
         max_new_tokens=settings.max_new_tokens, do_sample=sample, temperature=settings.temperature if sample else None,
-        top_p=settings.top_p if sample else None, top_k=settings.top_k if sample and settings.top_k > 0 else None,
+        # explicit values: None would let transformers fill in its own defaults (top_k 50), and the log-probs the
+        # update takes are over the full softmax, so sampling must be from it too
+        top_p=settings.top_p if sample else None, top_k=settings.top_k if sample else None,
         pad_token_id=pad_token_id, eos_token_id=eos_ids, use_cache=settings.use_cache)
 
 
