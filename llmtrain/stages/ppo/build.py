@@ -50,7 +50,9 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     experience = ExperienceSettings(
         temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
-        group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size)
+        group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size,
+        old_logps_from_update=not p.kl.in_reward and p.epochs == 1
+        and p.mini_batch_size == rollout.prompts_per_step * rollout.n_samples_per_prompt)
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
                             kl_loss_coef=0.0 if p.kl.in_reward else p.kl.coef, kl_estimator=p.kl.estimator,

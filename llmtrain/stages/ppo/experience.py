@@ -101,6 +101,9 @@ class ExperienceSettings:
     whiten_advantages: bool
     group_size: int
     micro_batch_size: int
+    # One optimizer step per rollout and no KL in the reward (GRPO's usual setting, TRL's default): the update's
+    # own forward gives the old log-probs (ratio 1 by construction), so the experience skips the actor's forward.
+    old_logps_from_update: bool = False
 
 
 @torch.no_grad()
@@ -129,7 +132,8 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     for rows in micro_batches:
         mb = exp.select(rows).trimmed()
         width = mb.num_actions
-        old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature)
+        if not settings.old_logps_from_update:
+            old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature)
         ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature)
         if "critic" in engines:
             critic = engines["critic"]
@@ -138,6 +142,8 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     old, ref, values = all_reduce_sum(torch.stack([old, ref, values]), group).unbind()  # each row from one rank
     mask = exp.action_mask
     kl = KL_ESTIMATORS[settings.kl_estimator](old, ref) * mask  # (B, A)
+    if settings.old_logps_from_update:
+        kl = torch.zeros_like(kl)  # not in the reward; the update logs it from its own forward
     rewards = token_rewards(kl, exp.scores, mask, kl_coef if settings.kl_in_reward else 0.0)
     advantages, returns = ADVANTAGE_ESTIMATORS[settings.advantage](AdvantageInputs(
         token_rewards=rewards, values=values if "critic" in engines else None, mask=mask, scores=exp.scores,

@@ -166,6 +166,9 @@ class PPOStage:
                    "lr": last.lr, "grad_norm": last.grad_norm}
         if self.update.kl_loss_coef > 0:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
+        if self.experience.old_logps_from_update:  # the KL to the reference, from the update's forward
+            sequences = exp.sequences.shape[0]
+            metrics.update(kl=sums["kl_loss"] / sequences, kl_token=sums["kl_loss"] / tokens)
         if critic is not None:
             metrics.update(value_loss=sums["value_loss"] / tokens, value_clip_frac=sums["value_clipped"] / tokens,
                            explained_var=float(explained_variance(exp.values, exp.returns, exp.action_mask)))
@@ -177,7 +180,8 @@ class PPOStage:
         logps = action_logps(full, mb.sequences, mb.num_actions, u.temperature)  # (b, A)
         logits = action_logits(full, mb.num_actions)  # (b, A, V), a view
         mask = mb.action_mask
-        terms = policy_loss_terms(logps, mb.old_logps, mb.advantages, mask, u.clip_eps)
+        old = logps.detach() if self.experience.old_logps_from_update else mb.old_logps
+        terms = policy_loss_terms(logps, old, mb.advantages, mask, u.clip_eps)
         loss = terms.losses.sum()
         entropy = entropy_from_logits(logits if u.entropy_coef > 0 else logits.detach(), u.temperature) * mask
         if u.entropy_coef > 0:
