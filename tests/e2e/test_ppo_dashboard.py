@@ -12,11 +12,11 @@ from pathlib import Path
 import nbformat
 import pytest
 import yaml
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from tests.conftest import REPO, assert_ok, read_metrics, run_cli
-from tests.e2e.test_notebook import kernel_name, printed  # noqa: F401  (kernel_name: a fixture)
+from tests.e2e.notebooks import execute as run_notebook
+from tests.e2e.notebooks import kernel_name, printed  # noqa: F401  (kernel_name: a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -38,11 +38,7 @@ def ppo_run(tmp_path_factory) -> Path:
 
 
 def execute(run_dir: Path, kernel_name: str, monkeypatch) -> nbformat.NotebookNode:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    monkeypatch.setenv("LLMTRAIN_RUN_DIR", str(run_dir))  # the kernel inherits this process's environment
-    NotebookClient(nb, kernel_name=kernel_name, timeout=120,
-                   resources={"metadata": {"path": str(REPO)}}).execute()
-    return nb
+    return run_notebook(NOTEBOOK, run_dir, kernel_name, monkeypatch)
 
 
 def edited_copy(run_dir: Path, dest: Path, edit_records=None, edit_config=None) -> Path:
@@ -57,14 +53,6 @@ def edited_copy(run_dir: Path, dest: Path, edit_records=None, edit_config=None) 
         edit_config(config)
     (dest / "config.yaml").write_text(yaml.safe_dump(config))
     return dest
-
-
-def test_stored_without_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
 def test_summarises_a_fresh_ppo_run(ppo_run, kernel_name, monkeypatch):
