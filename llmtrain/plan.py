@@ -271,7 +271,8 @@ def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
 
 def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts) -> tuple[list[Layout], list[str]]:
     """Every preset that fits this world and model, and a note per one that does not."""
-    from llmtrain.config import backend_config_problems, peft_problems
+    from llmtrain.config import backend_config_problems
+    from llmtrain.models.lora_checks import peft_problems
 
     layouts, notes = [], []
     for name, backend in preset_backends().items():

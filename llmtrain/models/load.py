@@ -201,7 +201,7 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         if not on_meta:
             seeded_init(model, seed, gather=gather)
     else:
-        quantized = lora is not None and lora.load_in_4bit  # QLoRA (CUDA only: config.qlora_problems)
+        quantized = lora is not None and lora.load_in_4bit  # QLoRA (CUDA only: models/lora_checks.qlora_problems)
         if quantized:
             from llmtrain.models.lora import quantized_load_kwargs
         model, info = cls.from_pretrained(

@@ -36,7 +36,7 @@ class LoraSettings:
     dropout: float
     target_modules: str | tuple[str, ...]  # "all-linear" or module names
     modules_to_save: tuple[str, ...] | None  # None: the head decides (DEFAULT_MODULES_TO_SAVE)
-    load_in_4bit: bool = False  # QLoRA (CUDA + bitsandbytes, checked in config.qlora_problems)
+    load_in_4bit: bool = False  # QLoRA (CUDA + bitsandbytes, checked in models/lora_checks.qlora_problems)
 
     @classmethod
     def from_config(cls, peft_cfg) -> "LoraSettings | None":
