@@ -4,7 +4,8 @@ Skipped without CUDA (the reason is printed). What a CPU cannot show: bf16 on ev
 FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 engine with fp32 gradient accumulation), FSDP2 cpu_offload
 (its grad norm over CPU shards needs the gloo side of the process group), flash-attention varlen for packed
 rows, fp32 with flash-attn installed, DeepSpeed's bf16 export of the fp32 masters, and the frozen DPO
-reference in bf16 (step 1's loss must still be ln 2 exactly: the reference computes what the policy does).
+reference in bf16 (step 1's loss must still be ln 2 exactly: the reference computes what the policy does), and PPO's
+bf16 rollouts (left-padded prompts under flash-attention/sdpa, ZeRO-3 gathered and FSDP2 unsharded generation).
 Multi-rank NCCL parity needs more than one GPU and stays on paper here.
 """
 
@@ -106,3 +107,17 @@ def test_dpo_in_bf16_starts_at_ln2(model_dir, tmp_path, backend):
     assert_ok(run_cli(args))
     first = read_metrics(tmp_path)[0][0]
     assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3", "fsdp2"])
+def test_ppo_in_bf16_generates_and_keeps_the_first_ratio_at_one(model_dir, tmp_path, backend):
+    """bf16 rollouts on the GPU (flash-attention or sdpa with left-padded prompts), ZeRO-3's gathered generation and
+    FSDP2's unsharded one: the experience's forwards are the update's, so the first ratio is exactly 1 in bf16 too,
+    and the reference (the initial actor, bf16 like it) gives KL 0 at the first iteration."""
+    args = ["recipe=ppo_tiny", "device=cuda", "precision=bf16", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
+            "trainer.save_every_n_steps=0", "ppo.rollout.prompts_per_step=8", "ppo.mini_batch_size=8",
+            f"model.name_or_path={model_dir}", *BACKENDS[backend], f"output_dir={tmp_path}"]
+    assert_ok(run_cli(args))
+    train = read_metrics(tmp_path)[0]
+    assert [r["first_ratio_dev"] for r in train] == [0.0, 0.0] and train[0]["kl"] == 0.0
+    assert all(math.isfinite(r["policy_loss"]) and math.isfinite(r["value_loss"]) for r in train)
