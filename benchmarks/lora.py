@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --suite lora [--rounds 3] [--warmup 3] [--steps 20] [--profile] [--all]
     python benchmarks/lora.py trl-sft --model DIR --steps N --warmup W --out R.json [--variant lora|full] [--profile F]
+    python benchmarks/lora.py split --model DIR [--reps 10] [--out R.json]   # CPU-s of forward/backward/update, full vs LoRA
 
 The second line is one TRL run, as the suite starts it (the llmtrain runs go through llmtrain_worker.py,
 i.e. `llmtrain.__main__.main`). Like for like, every contender in its own process, one torch thread, fp32 CPU:
@@ -130,6 +131,50 @@ def run_trl(args) -> dict:
                                                                "per_device_train_batch_size", "bf16")}
         result["trl_config"]["padding_free_effective"] = trainer.padding_free
         result["trl_config"]["model_class"] = type(trainer.model).__name__
+    return result
+
+
+# ---- where a LoRA step's time goes: full and LoRA alternately in one process ---------------------------------
+
+def run_split(args) -> dict:
+    """CPU seconds of forward (with the loss), backward and AdamW step of one ROWS x MAX_LEN batch, the base model
+    trained in full and with peft's LoRA (the same LoraConfig as the TRL worker), alternately `reps` times in this
+    process: neighbours' load moves wall time, much less CPU time. Plain causal sdpa on full rows (the attention is
+    the same in both, only the linear layers differ); medians over the reps after one warm-up each."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def build(lora: bool):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+        model.config.use_cache = False
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                     target_modules="all-linear", bias="none"))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model.train(), torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    torch.manual_seed(SEED)
+    ids = torch.randint(0, 256, (ROWS, MAX_LEN))  # (B, T) byte tokens
+    contenders = {"full": build(False), "lora": build(True)}
+    times = {name: defaultdict(list) for name in contenders}
+    for rep in range(args.reps + 1):
+        for name, (model, optimizer) in contenders.items():
+            t0 = time.process_time()
+            loss = model(input_ids=ids, labels=ids).loss
+            t1 = time.process_time()
+            loss.backward()
+            t2 = time.process_time()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t3 = time.process_time()
+            if rep:  # rep 0: warm-up
+                for key, value in (("forward", t1 - t0), ("backward", t2 - t1), ("update", t3 - t2), ("step", t3 - t0)):
+                    times[name][key].append(value)
+    result = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    result["lora_over_full"] = {k: result["lora"][k] / result["full"][k] for k in result["full"]}
+    result["reps"] = args.reps
     return result
 
 
@@ -300,16 +345,17 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("contender", choices=["trl-sft"])
+    parser.add_argument("contender", choices=["trl-sft", "split"])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--reps", type=int, default=10, help="split: alternations")
     parser.add_argument("--variant", default="lora", choices=["lora", "full"])
     parser.add_argument("--profile")
     parser.add_argument("--out")
     args = parser.parse_args()
     C.set_threads()
-    C.write_result(args.out, run_trl(args))
+    C.write_result(args.out, run_split(args) if args.contender == "split" else run_trl(args))
 
 
 if __name__ == "__main__":
