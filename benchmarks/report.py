@@ -179,12 +179,17 @@ def _mb(x) -> str:
 
 def table(result: dict) -> str:
     return {"cpu-small": cpu_table, "compare": compare_table, "backends": backends_table,
-            "gpu": gpu_table, "preference": preference_table, "ppo": _ppo_table}[result["suite"]](result)
+            "gpu": gpu_table, "preference": preference_table, "ppo": _ppo_table, "lora": _lora_table}[result["suite"]](result)
 
 
 def _ppo_table(result: dict) -> str:
     import ppo  # benchmarks/ is on sys.path wherever report is imported
     return ppo.table(result)
+
+
+def _lora_table(result: dict) -> str:
+    import lora
+    return lora.table(result)
 
 
 def _header(*columns: str) -> list[str]:

@@ -7,6 +7,7 @@ llmtrain, and per backend.
     python benchmarks/throughput.py --suite gpu                  # MFU; exits with a message without a GPU
     python benchmarks/throughput.py --suite preference           # reward model and DPO vs TRL (pairs/s), preference.py
     python benchmarks/throughput.py --suite ppo                  # GRPO vs TRL GRPOTrainer; PPO's time split, ppo.py
+    python benchmarks/throughput.py --suite lora [--profile]     # LoRA vs full SFT, vs TRL SFTTrainer + peft, lora.py
 
 Every contender runs in its own process (peak RSS is its own, read with wait4), on the same tiny Llama
 (same initial weights), the same generated variable-length SFT data (common.DATA), AdamW with the same
@@ -330,6 +331,13 @@ def suite_ppo(args, work: Path, tmp: Path, info: dict) -> dict:
     return ppo.run_suite(args, work, tmp, info)
 
 
+# ---- lora: LoRA SFT against full SFT and against TRL's SFTTrainer + peft (lora.py) ---------------------------
+
+def suite_lora(args, work: Path, tmp: Path, info: dict) -> dict:
+    import lora
+    return lora.run_suite(args, work, tmp, info)
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 
 def machine() -> dict:
@@ -353,7 +361,7 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo"], required=True)
+    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo", "lora"], required=True)
     parser.add_argument("--baseline", default="eff726e",
                         help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
                              "last commit before per-sample attention, best-fit packing and the DDP changes)")
@@ -369,7 +377,8 @@ def main() -> None:
                         help="cpu-small: also TRL's default without gradient checkpointing; preference: also TRL's "
                              "reward model with pad = eos, and both TRL trainers with their default gradient checkpointing")
     parser.add_argument("--profile", action="store_true", help="preference: cProfile every llmtrain run, kept as "
-                        "results/preference-<contender>-<round>.prof")
+                        "results/preference-<contender>-<round>.prof; lora: cProfile of each contender's "
+                        "round-0 run (llmtrain and TRL), kept as results/lora-<contender>-0.prof")
     parser.add_argument("--peak-tflops", type=float, help="gpu suite: the device's dense bf16 peak, if not known")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each run wait up to this many seconds for the machine's other load to drop "
@@ -377,9 +386,9 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     args.rounds = args.rounds or {"backends": 1, "gpu": 3}.get(args.suite, 3)
-    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8, "ppo": 10}.get(args.suite, 5)
+    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8, "ppo": 10, "lora": 20}.get(args.suite, 5)
     suite = {"cpu-small": suite_cpu_small, "compare": suite_compare, "backends": suite_backends,
-             "gpu": suite_gpu, "preference": suite_preference, "ppo": suite_ppo}[args.suite]
+             "gpu": suite_gpu, "preference": suite_preference, "ppo": suite_ppo, "lora": suite_lora}[args.suite]
     if args.suite == "gpu" and gpu_missing():
         return
     started = time.time()
@@ -389,7 +398,7 @@ def main() -> None:
         work.mkdir()
         info = prepare(work)
         host = machine()
-        size = "" if args.suite == "ppo" else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
+        size = "" if args.suite in ("ppo", "lora") else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
         print(f"suite {args.suite}: {size}{args.rounds} round(s), warm-up {args.warmup} + "
               f"{args.steps} timed steps; load average {host['load_average_before']}", flush=True)
         body = suite(args, work, tmp, info)
@@ -402,9 +411,9 @@ def main() -> None:
               "data": dict(C.DATA, **info["data"], max_seq_len=C.MAX_SEQ_LEN), "optim": C.OPTIM,
               "global_batch": {"unpacked_samples": C.GLOBAL_BATCH_SAMPLES, "packed_rows": C.GLOBAL_BATCH_ROWS_PACKED},
               "wall_s": time.time() - started, **body}
-    if args.suite in ("preference", "ppo"):  # trains on its own pairs or prompts and batch, not the SFT samples
+    if args.suite in ("preference", "ppo", "lora"):  # trains on its own pairs or prompts and batch, not the SFT samples
         result.pop("data"), result.pop("global_batch")
-    if args.suite == "ppo":  # the sft_tiny base (result["ppo"]["model"]), not common.MODEL
+    if args.suite in ("ppo", "lora"):  # a tiny base (result[suite]["model"]), not common.MODEL
         result.pop("model")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.suite}.json"
