@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from llmtrain import checkpoint as ckpt
@@ -161,7 +162,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         prepare_batch=batch_preparer(ctx.device, precision, attn))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)
-    trainer.sinks = _sinks(cfg, ctx, run_dir, trainer.step, resume_dir is not None) if ctx.is_main else []
+    trainer.sinks = _sinks(cfg, run_dir, trainer.step, resume_dir is not None, config_yaml) if ctx.is_main else []
     try:
         trainer.fit()
         export(stage, engines, tokenizer, run_dir, ctx)
@@ -227,7 +228,9 @@ def _config_yaml(cfg: DictConfig, ctx: DistContext, precision: str) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(resolved))
 
 
-def _sinks(cfg: DictConfig, ctx: DistContext, run_dir: Path, start_step: int, resumed: bool) -> list:
+def _sinks(cfg: DictConfig, run_dir: Path, start_step: int, resumed: bool, config_yaml: str) -> list:
+    """metrics.jsonl and the console; W&B when enabled, with the resolved config and run metadata (the
+    config.yaml text, redacted by the sink) and its run id in the run dir (`wandb.json`)."""
     metrics = run_dir / "metrics.jsonl"
     if not resumed and metrics.exists():  # a run that died before its first checkpoint: keep its log
         metrics.rename(run_dir / f"metrics.{int(time.time())}.jsonl")
@@ -237,5 +240,6 @@ def _sinks(cfg: DictConfig, ctx: DistContext, run_dir: Path, start_step: int, re
     if w.enabled:
         sinks.append(WandbSink(project=w.project, name=w.name or run_dir.name, directory=Path(w.dir or run_dir),
                                mode=w.mode, entity=w.entity, tags=list(w.tags),
-                               config=OmegaConf.to_container(cfg, resolve=True)))
+                               config=yaml.safe_load(config_yaml), stage=cfg.stage.name,
+                               state_file=run_dir / "wandb.json", resumed=resumed))
     return sinks
