@@ -17,6 +17,7 @@ from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import PAIR_STAGES, RL_STAGES, ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
+from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.load import load_tokenizer, model_config, resolve_attn_implementation
@@ -159,7 +160,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=dp_rank,
             dp_size=dp_size, collate_fn=stage.collate),
         checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
-        prepare_batch=batch_preparer(ctx.device, precision, attn))
+        prepare_batch=batch_preparer(ctx.device, precision, attn),
+        live=live_cost(cfg, ctx, precision, engines, trainable_roles(stage.roles)))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)
     trainer.sinks = _sinks(cfg, run_dir, trainer.step, resume_dir is not None, config_yaml) if ctx.is_main else []

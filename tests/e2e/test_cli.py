@@ -80,6 +80,25 @@ def test_wandb_offline_run_holds_grouped_metrics_and_config(wandb_run):
     assert json.loads((wandb_run / "wandb.json").read_text()) == {"id": wandb_log.run_id(log), "last_step": 4}
 
 
+def test_live_cost_on_the_first_steps_next_to_the_plan(wandb_run):
+    """Steps 1-2 carry the measured activations (saved-tensor hooks), the peak RSS and the planner's figures; the
+    plan's gated-block count (metrics/cost.py) is within 25 % of the measured bytes (measured: +0.2 %); the model
+    states match the plan; later steps carry none of it. W&B shows them under memory/."""
+    train = read_metrics(wandb_run)[0]
+    first = train[0]  # model states are logged once, when the optimizer state exists
+    states = first["memory_r0_params"] + first["memory_r0_grads"] + first["memory_r0_optimizer"]
+    assert abs(states - first["plan_memory_state"]) <= 0.05 * first["plan_memory_state"]
+    for record in train[:2]:
+        measured, planned = record["memory_r0_activations"], record["plan_memory_activations"]
+        assert abs(measured - planned) <= 0.25 * planned, f"activations {measured} vs plan {planned}"
+        assert record["memory_r0_rss_peak"] > states + measured  # the process holds at least those tensors
+        assert record["memory_activation_rows"] == 32 and 0 < record["memory_activation_seq"] <= 64
+    assert not any(k.startswith(("memory_r0_activations", "plan_memory")) for r in train[2:] for k in r)
+    rows = {row["_step"]: row for row in wandb_log.history(wandb_logs(wandb_run)[0])}
+    assert rows[1]["memory/r0_activations"] == train[0]["memory_r0_activations"]
+    assert rows[1]["memory/plan_activations"] == train[0]["plan_memory_activations"]
+
+
 def test_config_yaml_has_run_metadata(wandb_run):
     import yaml
 
