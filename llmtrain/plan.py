@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from llmtrain.config import ADAPTER_REFERENCE_STAGES, PAIR_STAGES, ConfigError
 from llmtrain.metrics.cost import (GIB, Collective, Layout, RoleParams, StateBytes, activation_bytes,
                                    activation_bytes_per_layer, communication, gated_activation_bytes_per_layer,
-                                   logits_bytes, state_bytes, step_seconds)
+                                   logits_bytes, state_bytes, step_seconds, zero3_regathered)
 from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
@@ -41,8 +41,11 @@ def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, v
     persistent = sum(n for n in facts.numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
     root = facts.params - facts.layers * facts.block  # embeddings, final norm, head: FSDP2's root group
     working = 2 * facts.block + (root if layout.library == "fsdp2" else max(facts.embed, facts.head))
+    regathered = None  # ZeRO-3 (a block's few persistent norm weights counted in: < 0.01 % of a 7B block)
+    if layout.library == "deepspeed" and layout.stage == 3 and (t or f):
+        regathered = zero3_regathered(facts.layers, facts.block, facts.embed, facts.head)
     return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=facts.tp_params / facts.params,
-                      working=working)
+                      working=working, regathered=regathered, block_fraction=facts.layers * facts.block / facts.params)
 
 
 def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
@@ -56,7 +59,8 @@ def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
                   stage={"ddp": 0, "fsdp2": 3}.get(backend.name, backend.zero_stage), dp=dims.dp_size, tp=dims.tp,
                   offload_optimizer=backend.offload_optimizer.device if ds else "none",
                   offload_param=backend.offload_param.device if ds else ("cpu" if backend.cpu_offload else "none"),
-                  persistence_threshold=(10 * hidden if threshold == "auto" else int(threshold)) if ds else 0)
+                  persistence_threshold=(10 * hidden if threshold == "auto" else int(threshold)) if ds else 0,
+                  reshard_after_forward=backend.name != "fsdp2" or backend.reshard_after_forward)
 
 
 def row_name(backend) -> str:

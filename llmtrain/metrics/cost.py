@@ -37,6 +37,7 @@ class Layout:
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (FSDP2 cpu_offload: cpu)
     persistence_threshold: int = 0  # ZeRO-3: parameters with numel <= this stay whole on every rank
+    reshard_after_forward: bool = True  # FSDP2: blocks resharded after forward (gathered again for backward)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RoleParams:
     persistent: int = 0  # ZeRO-3: numel of the parameters kept whole (P)
     tp_fraction: float = 0.0  # share of the parameters the TP plan splits (q/k/v/o, gate/up/down)
     working: int = 0  # parameters gathered whole at once under ZeRO-3/FSDP2 (two blocks + the largest other module)
+    regathered: float | None = None  # ZeRO-3: parameters gathered again in backward (None: every partitioned one)
+    block_fraction: float = 1.0  # share of the parameters in decoder blocks (FSDP2 reshards those, not the root)
 
 
 @dataclass(frozen=True)
@@ -200,22 +203,43 @@ def communication(role: RoleParams, layout: Layout, precision: str, *, accum: in
         out.append(Collective("updated weights", "all_gather", w * t, n))
     elif lib == "deepspeed":  # ZeRO-3: persistent parameters are never gathered
         gathered = w * max(0.0, t + f - role.persistent)
+        again = gathered if role.regathered is None else w * role.regathered
         out.append(Collective("weights, forward", "all_gather", gathered, n, k))
+        if t and again:
+            out.append(Collective("weights, backward", "all_gather", again, n, k))
         if t:
-            out.append(Collective("weights, backward", "all_gather", gathered, n, k))
             out.append(Collective("gradients", "reduce_scatter", g * t, n, k))
     else:  # FSDP2: the root (embeddings, head) is not resharded after forward; gradients reduce on the last micro
         split = 1 - role.tp_fraction + role.tp_fraction / layout.tp
         wg = 2 if on_gpu and precision == "bf16" else 4
-        out.append(Collective("weights, forward", "all_gather", wg * (t + f) * split, n, k))
-        if t:
-            out.append(Collective("weights, backward", "all_gather", wg * (t + f) * split, n, k))
+        whole, blocks = wg * (t + f) * split, wg * (t + f) * split * role.block_fraction
+        if t:  # no_sync keeps every unit gathered after each backward but the last's: one forward gather a step;
+            # blocks resharded after each forward are gathered again in each backward (measured, tests/dist)
+            out.append(Collective("weights, forward", "all_gather", whole, n))
+            if layout.reshard_after_forward:
+                out.append(Collective("weights, backward", "all_gather", blocks, n, k))
             out.append(Collective("gradients", "reduce_scatter", 4 * t * split, n))
+        else:
+            out.append(Collective("weights, forward", "all_gather", whole, n, k))
     if layout.tp > 1:  # Megatron: 2 all-reduces of the (b·s, h) activations forward, 2 backward, per block
         per_block = (4 if t else 2) + (2 if checkpointing and t else 0)  # recompute repeats the forward two
         out.append(Collective("TP activations", "all_reduce", w * tokens_per_micro * hidden, layout.tp,
                               per_block * layers * k, overlapped=False))
     return out
+
+
+ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default (numel); llmtrain does not set it
+
+
+def zero3_regathered(layers: int, block: int, embed: int, head: int,
+                     reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> float:
+    """Parameters ZeRO-3 gathers again for backward. After a module's forward DeepSpeed keeps its parameters when
+    they are used again within `reuse_distance` numel of the recorded trace: block l's next use is its own
+    backward, 2·(L-1-l)·B + 2·head numel later; the embedding's 2·L·B + 2·head later; the head's at once. A model
+    smaller than the distance (the tiny test models) is gathered once per micro-batch; for Llama-2-7B blocks 0-29 and
+    the embedding are gathered again, blocks 30-31 and the head are not (counted in tests/dist, live)."""
+    again = sum(block for layer in range(layers) if 2 * (layers - 1 - layer) * block + 2 * head >= reuse_distance)
+    return again + (embed if 2 * layers * block + 2 * head >= reuse_distance else 0)
 
 
 def step_seconds(hardware_flops: float, collectives: list[Collective], *, peak_flops: float, mfu: float,

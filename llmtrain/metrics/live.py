@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmtrain.metrics.comm import KINDS, CommCounter, planned, route_ddp_buckets
 from llmtrain.metrics.memory import gather_per_rank
 
 
@@ -78,6 +79,7 @@ class PlanFigures:
     activations: object  # (rows, seq) -> activation + logits bytes, every trainable role
     flops_per_token: float  # model FLOPs of one trained token (6·M + 12·L·h·s at the config's s)
     peak_flops: float | None  # the device's dense 16-bit peak; None on a CPU
+    comm: dict  # `<kind>_payload` / `<kind>_wire` of one step (metrics/cost.py `communication`)
 
 
 class LiveCost:
@@ -86,6 +88,9 @@ class LiveCost:
     def __init__(self, *, modules: list[torch.nn.Module], plan: PlanFigures, ctx, steps: int = 2):
         self.modules, self.plan, self.ctx, self.steps = modules, plan, ctx, steps
         self.meter: SavedTensorMeter | None = None
+        self.counter: CommCounter | None = None
+        for module in modules:
+            route_ddp_buckets(module)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
 
@@ -97,23 +102,41 @@ class LiveCost:
         if not self.active(step):
             yield
             return
-        self.meter = SavedTensorMeter(self.modules)
-        with self.meter.watch():
+        self.meter, self.counter = SavedTensorMeter(self.modules), CommCounter()
+        with self.meter.watch(), self.counter.counting():
             yield
 
     def record(self, step: int, step_time: float) -> dict:
         """This step's measured and planned figures (a collective over ranks on the steps it measures)."""
         if not self.active(step) or self.meter is None:
             return {}
-        meter, self.meter = self.meter, None
+        meter, counter, self.meter, self.counter = self.meter, self.counter, None, None
         local = {"activations": meter.peak, "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.ctx.device.type == "cuda":
             local["cuda_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
         out = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device)
         out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_activations": self.plan.activations(*meter.shape),
                     "memory_activation_rows": meter.shape[0], "memory_activation_seq": meter.shape[1]})
+        out.update(self._comm(counter))
         if self.plan.peak_flops:
             out["mfu"] = meter.tokens * self.plan.flops_per_token / (step_time * self.plan.peak_flops)
+        return out
+
+
+    def _comm(self, counter: CommCounter) -> dict:
+        """Counted per rank (`comm_r<rank>_<kind>_{payload,wire,calls}`) and planned (`plan_comm_<kind>_...`), the
+        kinds that either has; totals `comm_r<rank>_payload`/`_wire` and `plan_comm_payload`/`_wire`."""
+        local = counter.local()
+        local.update({"payload": sum(local[f"{k}_payload"] for k in KINDS), "wire": sum(local[f"{k}_wire"] for k in KINDS)})
+        gathered = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device, prefix="comm")
+        plan = self.plan.comm
+        used = {k for k in KINDS if f"{k}_payload" in plan or any(gathered[f"comm_r{r}_{k}_calls"]
+                                                                  for r in range(self.ctx.world_size))}
+        unused = set(KINDS) - used
+        out = {key: value for key, value in gathered.items() if key.split("_", 2)[2].rsplit("_", 1)[0] not in unused}
+        out.update({f"plan_comm_{key}": value for key, value in plan.items()})
+        out.update({"plan_comm_payload": sum(v for k, v in plan.items() if k.endswith("_payload")),
+                    "plan_comm_wire": sum(v for k, v in plan.items() if k.endswith("_wire"))})
         return out
 
 
@@ -151,7 +174,8 @@ def plan_figures(cfg, world: int, device: torch.device, precision: str) -> PlanF
 
     return PlanFigures(state_bytes=sum(s.device for s in row.states.values()), activations=activations,
                        flops_per_token=training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq),
-                       peak_flops=gpu.peak_tflops * 1e12 if device.type == "cuda" and gpu.peak_tflops else None)
+                       peak_flops=gpu.peak_tflops * 1e12 if device.type == "cuda" and gpu.peak_tflops else None,
+                       comm=planned(row.comm))
 
 
 def live_cost(cfg, ctx, precision: str, engines: dict, roles: list[str], steps: int = 2) -> LiveCost:

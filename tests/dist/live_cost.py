@@ -1,0 +1,39 @@
+"""Checks of the live cost a 2-rank run logs on its first steps (llmtrain/metrics/live.py, comm.py) against the
+planner's figures in the same records. Used by the backend tests on runs they make anyway."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import read_metrics
+
+
+def live_errors(run_dir: Path, ranks: int = 2) -> dict[str, float]:
+    """Relative error (measured / planned - 1) of step 2's activations and counted communication, worst rank.
+    Step 2: the first step may run one-time collectives (DeepSpeed's first ZeRO-3 trace)."""
+    second = read_metrics(run_dir)[0][1]
+    assert second["step"] == 2
+    errors = {}
+    for key, planned in (("activations", second["plan_memory_activations"]), ("payload", second["plan_comm_payload"]),
+                         ("wire", second["plan_comm_wire"])):
+        prefix = "memory" if key == "activations" else "comm"
+        measured = [second[f"{prefix}_r{rank}_{key}"] for rank in range(ranks)]
+        assert all(m > 0 for m in measured) and planned > 0, (key, measured, planned)
+        errors[key] = max((m / planned - 1 for m in measured), key=abs)
+    for key in second:  # every kind the plan has was counted, within 5 % per kind on every rank
+        if key.startswith("plan_comm_") and key.count("_") > 3:
+            kind_key = key[len("plan_comm_"):]
+            for rank in range(ranks):
+                measured = second[f"comm_r{rank}_{kind_key}"]
+                assert abs(measured - second[key]) <= 0.05 * second[key], f"rank {rank} {kind_key}: {measured} vs {second[key]}"
+    third = read_metrics(run_dir)[0][2]
+    assert not any(k.startswith(("comm_", "plan_comm", "plan_memory")) for k in third)  # counting is off after 2
+    return errors
+
+
+def assert_live_cost_matches_the_plan(run_dir: Path, ranks: int = 2) -> dict[str, float]:
+    errors = live_errors(run_dir, ranks)
+    assert abs(errors["activations"]) <= 0.25, errors
+    assert abs(errors["payload"]) <= 0.05 and abs(errors["wire"]) <= 0.05, errors
+    print(f"{run_dir.name}: " + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items()))
+    return errors
