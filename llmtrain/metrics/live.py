@@ -6,8 +6,9 @@ on rank 0 model FLOPs utilisation on a GPU with a known peak (tokens/s is logged
 planner's per-rank figures come with them: model states as metrics/cost.py says this backend holds them, and
 activations + logits at the shape the peak forward really had (metrics/cost.py's formula for this model).
 
-Flat keys for metrics.jsonl (`memory_r<rank>_activations`, `memory_r<rank>_rss_peak`, `plan_memory_state`,
-`plan_memory_activations`, `mfu`); W&B shows them under memory/ and perf/. After `steps` steps every hook is
+Flat keys for metrics.jsonl (`memory_r<rank>_activations` next to `memory_r<rank>_plan_activations` at that
+rank's shape `memory_r<rank>_activation_rows` × `_seq`, `memory_r<rank>_rss_peak`, `plan_memory_state`,
+`plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`); W&B shows them under memory/ and perf/. After `steps` steps every hook is
 removed: nothing is measured or logged later.
 """
 
@@ -111,12 +112,13 @@ class LiveCost:
         if not self.active(step) or self.meter is None:
             return {}
         meter, counter, self.meter, self.counter = self.meter, self.counter, None, None
-        local = {"activations": meter.peak, "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        local = {"activations": meter.peak, "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "plan_activations": self.plan.activations(*meter.shape),  # at this rank's own largest forward
+                 "activation_rows": meter.shape[0], "activation_seq": meter.shape[1]}
         if self.ctx.device.type == "cuda":
             local["cuda_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
         out = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device)
-        out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_activations": self.plan.activations(*meter.shape),
-                    "memory_activation_rows": meter.shape[0], "memory_activation_seq": meter.shape[1]})
+        out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_activations": out["memory_r0_plan_activations"]})
         out.update(self._comm(counter))
         if self.plan.peak_flops:
             out["mfu"] = meter.tokens * self.plan.flops_per_token / (step_time * self.plan.peak_flops)

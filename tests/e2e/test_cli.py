@@ -92,7 +92,8 @@ def test_live_cost_on_the_first_steps_next_to_the_plan(wandb_run):
         measured, planned = record["memory_r0_activations"], record["plan_memory_activations"]
         assert abs(measured - planned) <= 0.25 * planned, f"activations {measured} vs plan {planned}"
         assert record["memory_r0_rss_peak"] > states + measured  # the process holds at least those tensors
-        assert record["memory_activation_rows"] == 32 and 0 < record["memory_activation_seq"] <= 64
+        assert record["memory_r0_activation_rows"] == 32 and 0 < record["memory_r0_activation_seq"] <= 64
+        assert record["memory_r0_plan_activations"] == planned
     assert not any(k.startswith(("memory_r0_activations", "plan_memory")) for r in train[2:] for k in r)
     rows = {row["_step"]: row for row in wandb_log.history(wandb_logs(wandb_run)[0])}
     assert rows[1]["memory/r0_activations"] == train[0]["memory_r0_activations"]
