@@ -115,6 +115,8 @@ def planned(collectives) -> dict[str, float]:
     """The plan's collectives (metrics/cost.py `Collective`s of one step) as `<kind>_payload` and `<kind>_wire`."""
     out: dict[str, float] = defaultdict(float)
     for c in collectives:
+        if c.group <= 1:  # a group of one rank calls nothing (DDP on one process, dp 1)
+            continue
         out[f"{c.kind}_payload"] += c.payload * c.times
         out[f"{c.kind}_wire"] += c.wire
     return dict(out)

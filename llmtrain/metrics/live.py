@@ -165,14 +165,14 @@ def plan_figures(cfg, world: int, device: torch.device, precision: str) -> PlanF
     gpu = resolve_gpu(cfg.plan, device.type, world)
     st = setting(cfg, world, gpu, precision, facts)
     row = plan_row(st, layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden))
-    trainable = sum(st.roles.values())
     elem = 2 if precision in ("bf16", "fp16") else 4
 
     def activations(rows: int, seq: int) -> float:
-        return trainable * (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers,
-                                             checkpointing=st.checkpointing, elem=elem, scores=st.scores,
-                                             intermediate=facts.intermediate, kv_heads=facts.kv_heads)
-                            + logits_bytes(rows, seq, st.logits_vocab))
+        """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
+        as if all were alive at once)."""
+        return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
+                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads)
+                + logits_bytes(rows, seq, st.logits_vocab))
 
     return PlanFigures(state_bytes=sum(s.device for s in row.states.values()), activations=activations,
                        flops_per_token=training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq),

@@ -88,14 +88,21 @@ def _format(record: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-# W&B's names for the flat metrics.jsonl keys: exact names first, then prefixes, then suffixes; a key none of
-# them claims is the stage's own (`STAGE_GROUPS`: reward/..., dpo/..., ppo/...; pretrain and SFT: train/...).
+# W&B's names for the flat metrics.jsonl keys: exact names first, then the first pattern that matches; a key none
+# of them claims is the stage's own (`STAGE_GROUPS`: reward/..., dpo/..., ppo/...; pretrain and SFT: train/...).
 WANDB_EXACT = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                "skipped_steps": "train/skipped_steps", "tokens": "train/tokens", "pairs": "train/pairs",
                "samples": "train/samples", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "hfu": "perf/hfu"}
-WANDB_PREFIXES = (("eval_", "eval/"), ("plan_memory_", "memory/plan_"), ("memory_", "memory/"),
-                  ("plan_comm_", "comm/plan_"), ("comm_", "comm/"), ("perf_", "perf/"))
-WANDB_SUFFIXES = (("_per_s", "perf/"),)
+WANDB_PATTERNS = tuple((re.compile(pattern), name) for pattern, name in (
+    (r"^eval_(.+)", r"eval/\1"),
+    (r"^plan_memory_(.+)", r"memory/plan_\1"),
+    (r"^memory_(.+)", r"memory/\1"),
+    (r"^([a-z]+)_memory_(.+)", r"memory/\1_\2"),  # another trainable role's model states: critic_memory_r0_grads
+    (r"^plan_comm_(.+)", r"comm/plan_\1"),
+    (r"^comm_(.+)", r"comm/\1"),
+    (r"^(.+_per_s)$", r"perf/\1"),
+))
+WANDB_GROUPS = ("train/", "eval/", "perf/", "memory/", "comm/")
 STAGE_GROUPS = {"reward": "reward", "dpo": "dpo", "ppo": "ppo", "grpo": "ppo"}
 WANDB_STEP = "train/step"  # every row carries it; every group is plotted against it (define_metric)
 
@@ -104,12 +111,9 @@ def wandb_key(key: str, stage: str) -> str:
     """The W&B name of one metrics.jsonl key (`eval_loss` -> `eval/loss`, `kl` in PPO -> `ppo/kl`)."""
     if key in WANDB_EXACT:
         return WANDB_EXACT[key]
-    for prefix, group in WANDB_PREFIXES:
-        if key.startswith(prefix):
-            return group + key[len(prefix):]
-    for suffix, group in WANDB_SUFFIXES:
-        if key.endswith(suffix):
-            return group + key
+    for pattern, name in WANDB_PATTERNS:
+        if pattern.match(key):
+            return pattern.sub(name, key)
     return f"{STAGE_GROUPS.get(stage, 'train')}/{key}"
 
 
@@ -157,7 +161,7 @@ class WandbSink:
                               settings=wandb.Settings(x_disable_meta=True, disable_code=True, disable_git=True))
         self.run_id_ = self.run.id
         self.run.define_metric(WANDB_STEP)
-        for group in {*(g for _, g in WANDB_PREFIXES), "train/", "perf/", f"{STAGE_GROUPS.get(stage, 'train')}/"}:
+        for group in {*WANDB_GROUPS, f"{STAGE_GROUPS.get(stage, 'train')}/"}:
             self.run.define_metric(f"{group}*", step_metric=WANDB_STEP)
         self._save_state()
 

@@ -26,7 +26,8 @@ def test_wandb_names_group_flat_keys_by_one_table():
                 ("comm_r0_wire_bytes", "sft"): "comm/r0_wire_bytes", ("kl_coef", "ppo"): "ppo/kl_coef",
                 ("time_rollout", "grpo"): "ppo/time_rollout", ("eval_score", "ppo"): "eval/score",
                 ("accuracy", "reward"): "reward/accuracy", ("chosen_reward", "dpo"): "dpo/chosen_reward",
-                ("loss", "dpo"): "train/loss"}
+                ("loss", "dpo"): "train/loss", ("critic_memory_r0_grads", "ppo"): "memory/critic_r0_grads",
+                ("samples_per_s", "ppo"): "perf/samples_per_s", ("time_rollout_s", "ppo"): "ppo/time_rollout_s"}
     assert {k: wandb_key(*k) for k in expected} == expected
 
 
