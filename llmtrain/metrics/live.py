@@ -77,9 +77,10 @@ class SavedTensorMeter:
 class PlanFigures:
     """The planner's per-rank numbers for this run (llmtrain/plan.py's row) and how to size activations."""
     state_bytes: float  # model states on the device, every role
-    activations: object  # (rows, seq) -> activation + logits bytes, every trainable role
+    activations: object  # (rows, seq) -> activation + logits bytes of one forward of one role
     flops_per_token: float  # model FLOPs of one trained token (6·M + 12·L·h·s at the config's s)
-    peak_flops: float | None  # the device's dense 16-bit peak; None on a CPU
+    hardware_flops_per_token: float  # + one more forward of the blocks under activation checkpointing
+    peak_flops: float | None  # the device's dense 16-bit peak (plan.gpu / plan.peak_tflops); None: no MFU
     comm: dict  # `<kind>_payload` / `<kind>_wire` of one step (metrics/cost.py `communication`)
 
 
@@ -120,10 +121,10 @@ class LiveCost:
         out = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device)
         out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_activations": out["memory_r0_plan_activations"]})
         out.update(self._comm(counter))
-        if self.plan.peak_flops:
+        if self.plan.peak_flops:  # this rank's trained tokens (with padding) over its own time
             out["mfu"] = meter.tokens * self.plan.flops_per_token / (step_time * self.plan.peak_flops)
+            out["hfu"] = meter.tokens * self.plan.hardware_flops_per_token / (step_time * self.plan.peak_flops)
         return out
-
 
     def _comm(self, counter: CommCounter) -> dict:
         """Counted per rank (`comm_r<rank>_<kind>_{payload,wire,calls}`) and planned (`plan_comm_<kind>_...`), the
@@ -174,9 +175,12 @@ def plan_figures(cfg, world: int, device: torch.device, precision: str) -> PlanF
                                  elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads)
                 + logits_bytes(rows, seq, st.logits_vocab))
 
+    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
+    recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0
+    # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
     return PlanFigures(state_bytes=sum(s.device for s in row.states.values()), activations=activations,
-                       flops_per_token=training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq),
-                       peak_flops=gpu.peak_tflops * 1e12 if device.type == "cuda" and gpu.peak_tflops else None,
+                       flops_per_token=model, hardware_flops_per_token=model + recompute,
+                       peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
                        comm=planned(row.comm))
 
 

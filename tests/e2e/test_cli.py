@@ -24,6 +24,7 @@ pytestmark = pytest.mark.e2e
 FAKE_SECRETS = {"WANDB_API_KEY": "wandb-fake-secret-7f3a9c", "HF_TOKEN": "hf_fake_secret_Q81zz",
                 "OPENAI_API_KEY": "sk-fake-secret-000111"}
 TINY = ["recipe=sft_tiny", "trainer.log_every_n_steps=0", "trainer.eval_every_n_steps=2"]
+PEAK_TFLOPS = 0.01  # a stated peak: the run logs MFU against it (a CPU has none of its own)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def wandb_run(tmp_path_factory) -> Path:
     """4 steps, checkpoints at 2 and 4, W&B offline, fake secrets planted in the environment."""
     run_dir = tmp_path_factory.mktemp("wandb_run") / "run"
     result = run_cli([*TINY, "trainer.max_steps=4", "trainer.save_every_n_steps=2", "logger=wandb",
-                      f"output_dir={run_dir}"], env=cli_env(**FAKE_SECRETS))
+                      f"output_dir={run_dir}", f"plan.peak_tflops={PEAK_TFLOPS}"], env=cli_env(**FAKE_SECRETS))
     assert_ok(result)
     return run_dir
 
@@ -95,6 +96,12 @@ def test_live_cost_on_the_first_steps_next_to_the_plan(wandb_run):
         assert record["memory_r0_activation_rows"] == 32 and 0 < record["memory_r0_activation_seq"] <= 64
         assert record["memory_r0_plan_activations"] == planned
     assert not any(k.startswith(("memory_r0_activations", "plan_memory")) for r in train[2:] for k in r)
+    # MFU: this rank's tokens (rows × padded length: one forward a step here) × (6·M + 12·L·h·s) over time × peak
+    flops_per_token = 6 * 461_184 + 12 * 2 * 128 * 64  # sft_tiny: M, L, h, s = max_seq_len
+    for record in train[:2]:
+        tokens = record["memory_r0_activation_rows"] * record["memory_r0_activation_seq"]
+        assert record["mfu"] == pytest.approx(tokens * flops_per_token / (record["step_time_s"] * PEAK_TFLOPS * 1e12))
+        assert record["hfu"] == record["mfu"]  # no activation checkpointing: no recompute
     rows = {row["_step"]: row for row in wandb_log.history(wandb_logs(wandb_run)[0])}
     assert rows[1]["memory/r0_activations"] == train[0]["memory_r0_activations"]
     assert rows[1]["memory/plan_activations"] == train[0]["plan_memory_activations"]
