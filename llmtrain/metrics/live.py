@@ -76,7 +76,8 @@ class SavedTensorMeter:
 @dataclass(frozen=True)
 class PlanFigures:
     """The planner's per-rank numbers for this run (llmtrain/plan.py's row) and how to size activations."""
-    state_bytes: float  # model states on the device, every role
+    state_bytes: float  # model states on the device, every role: weights, master, grads, optimizer (what the ledger counts)
+    gathered_bytes: float  # + the working copies gathered while computing (ZeRO-3 / FSDP2 modules, autocast's copies)
     activations: object  # (rows, seq) -> activation + logits bytes of one forward of one role
     flops_per_token: float  # model FLOPs of one trained token (6·M + 12·L·h·s at the config's s)
     hardware_flops_per_token: float  # + one more forward of the blocks under activation checkpointing
@@ -119,7 +120,8 @@ class LiveCost:
         if self.ctx.device.type == "cuda":
             local["cuda_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
         out = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device)
-        out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_activations": out["memory_r0_plan_activations"]})
+        out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_gathered": self.plan.gathered_bytes,
+                    "plan_memory_activations": out["memory_r0_plan_activations"]})
         out.update(self._comm(counter))
         if self.plan.peak_flops:  # this rank's trained tokens (with padding) over its own time
             out["mfu"] = meter.tokens * self.plan.flops_per_token / (step_time * self.plan.peak_flops)
@@ -178,7 +180,8 @@ def plan_figures(cfg, world: int, device: torch.device, precision: str) -> PlanF
     model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
     recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0
     # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
-    return PlanFigures(state_bytes=sum(s.device for s in row.states.values()), activations=activations,
+    return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
+                       gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
                        flops_per_token=model, hardware_flops_per_token=model + recompute,
                        peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
                        comm=planned(row.comm))

@@ -117,7 +117,7 @@ def resume(runs: Runs, source: str, name: str, tmp_path: Path) -> tuple[list[dic
 def test_live_activations_and_communication_match_the_plan(runs):
     """FSDP2's all-gathers (forward and backward) and reduce-scatter counted on step 2 within 5 % of the plan;
     activations within 25 %."""
-    assert_live_cost_matches_the_plan(runs.get("llama", "fsdp2"))
+    assert_live_cost_matches_the_plan(runs.get("llama", "fsdp2"), states=False)  # accumulation 2: see the helper
 
 
 def test_accumulation_does_not_change_the_step(runs):
