@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 
 from llmtrain.config import ADAPTER_REFERENCE_STAGES, PAIR_STAGES, ConfigError
 from llmtrain.metrics.cost import (GIB, Collective, Layout, RoleParams, StateBytes, activation_bytes,
-                                   activation_bytes_per_layer, communication, logits_bytes, state_bytes, step_seconds)
+                                   activation_bytes_per_layer, communication, gated_activation_bytes_per_layer,
+                                   logits_bytes, state_bytes, step_seconds, zero3_regathered)
 from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
@@ -40,8 +41,11 @@ def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, v
     persistent = sum(n for n in facts.numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
     root = facts.params - facts.layers * facts.block  # embeddings, final norm, head: FSDP2's root group
     working = 2 * facts.block + (root if layout.library == "fsdp2" else max(facts.embed, facts.head))
+    regathered = None  # ZeRO-3 (a block's few persistent norm weights counted in: < 0.01 % of a 7B block)
+    if layout.library == "deepspeed" and layout.stage == 3 and (t or f):
+        regathered = zero3_regathered(facts.layers, facts.block, facts.embed, facts.head)
     return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=facts.tp_params / facts.params,
-                      working=working)
+                      working=working, regathered=regathered, block_fraction=facts.layers * facts.block / facts.params)
 
 
 def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
@@ -55,7 +59,8 @@ def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
                   stage={"ddp": 0, "fsdp2": 3}.get(backend.name, backend.zero_stage), dp=dims.dp_size, tp=dims.tp,
                   offload_optimizer=backend.offload_optimizer.device if ds else "none",
                   offload_param=backend.offload_param.device if ds else ("cpu" if backend.cpu_offload else "none"),
-                  persistence_threshold=(10 * hidden if threshold == "auto" else int(threshold)) if ds else 0)
+                  persistence_threshold=(10 * hidden if threshold == "auto" else int(threshold)) if ds else 0,
+                  reshard_after_forward=backend.name != "fsdp2" or backend.reshard_after_forward)
 
 
 def row_name(backend) -> str:
@@ -117,7 +122,7 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     f = st.facts
     trainable = sum(st.roles.values())
     act = activation_bytes(rows, st.seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
-                           tp=layout.tp, elem=elem, scores=st.scores)
+                           tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads)
     return trainable * act, trainable * logits_bytes(rows, st.seq, st.logits_vocab)
 
 
@@ -248,6 +253,11 @@ def header(st: Setting) -> list[str]:
         f"{'eager attention stores the scores' if st.scores else '5·b·a·s² dropped: sdpa/flash/flex keep no (b,a,s,s) scores'}"
         f"); logits b·s·V·4 = {_size(logits_bytes(st.micro * st.rows_per_sample, s, st.logits_vocab))} GiB",
     ]
+    if f.intermediate:  # the table's activations use the gated-block count (metrics/cost.py, measured per saved tensor)
+        gated = gated_activation_bytes_per_layer(st.micro * st.rows_per_sample, s, h, f.heads, intermediate=f.intermediate,
+                                                 kv_heads=f.kv_heads, elem=elem, scores=st.scores)
+        lines.append(f"this model's gated blocks (RMSNorm, GQA, SwiGLU) keep s·b·(8h + 2kv + 4i + a + 2) elements: "
+                     f"{_size(gated)} GiB per layer ({gated / per_layer:.2f}× 34·b·s·h), used in the table")
     if st.lora:
         lines.append(f"LoRA: {st.lora:,} trainable adapter parameters; the {f.params:,} of the base frozen (weights only)")
     return lines

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from llmtrain import checkpoint as ckpt
@@ -16,6 +17,7 @@ from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import PAIR_STAGES, RL_STAGES, ConfigError, data_parallel_size, validate
 from llmtrain.data.pipeline import build_data, eval_batches, train_batches
+from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.load import load_tokenizer, model_config, resolve_attn_implementation
@@ -158,10 +160,11 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=dp_rank,
             dp_size=dp_size, collate_fn=stage.collate),
         checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
-        prepare_batch=batch_preparer(ctx.device, precision, attn))
+        prepare_batch=batch_preparer(ctx.device, precision, attn),
+        live=live_cost(cfg, ctx, precision, engines, trainable_roles(stage.roles)))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)
-    trainer.sinks = _sinks(cfg, ctx, run_dir, trainer.step, resume_dir is not None) if ctx.is_main else []
+    trainer.sinks = _sinks(cfg, run_dir, trainer.step, resume_dir is not None, config_yaml) if ctx.is_main else []
     try:
         trainer.fit()
         export(stage, engines, tokenizer, run_dir, ctx)
@@ -227,7 +230,9 @@ def _config_yaml(cfg: DictConfig, ctx: DistContext, precision: str) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(resolved))
 
 
-def _sinks(cfg: DictConfig, ctx: DistContext, run_dir: Path, start_step: int, resumed: bool) -> list:
+def _sinks(cfg: DictConfig, run_dir: Path, start_step: int, resumed: bool, config_yaml: str) -> list:
+    """metrics.jsonl and the console; W&B when enabled, with the resolved config and run metadata (the
+    config.yaml text, redacted by the sink) and its run id in the run dir (`wandb.json`)."""
     metrics = run_dir / "metrics.jsonl"
     if not resumed and metrics.exists():  # a run that died before its first checkpoint: keep its log
         metrics.rename(run_dir / f"metrics.{int(time.time())}.jsonl")
@@ -237,5 +242,6 @@ def _sinks(cfg: DictConfig, ctx: DistContext, run_dir: Path, start_step: int, re
     if w.enabled:
         sinks.append(WandbSink(project=w.project, name=w.name or run_dir.name, directory=Path(w.dir or run_dir),
                                mode=w.mode, entity=w.entity, tags=list(w.tags),
-                               config=OmegaConf.to_container(cfg, resolve=True)))
+                               config=yaml.safe_load(config_yaml), stage=cfg.stage.name,
+                               state_file=run_dir / "wandb.json", resumed=resumed))
     return sinks

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from llmtrain.metrics.live import NoLiveCost
 from llmtrain.metrics.memory import gather_per_rank
 from llmtrain.parallel import DistContext
 from llmtrain.stages.base import NonFiniteError, Updater, trainable_roles  # noqa: F401  (NonFiniteError: re-export)
@@ -33,11 +34,13 @@ class TrainerSettings:
 class Trainer:
     def __init__(self, settings: TrainerSettings, *, ctx: DistContext, stage, engines: dict,
                  train_batches: Callable[[int], Iterator], eval_batches: Callable[[], Iterable] | None,
-                 checkpointer, config_yaml: str, sinks: list, prepare_batch: Callable = lambda batch: batch):
+                 checkpointer, config_yaml: str, sinks: list, prepare_batch: Callable = lambda batch: batch,
+                 live=None):
         self.s, self.ctx, self.stage, self.engines = settings, ctx, stage, engines
         self.train_batches, self.eval_batches = train_batches, eval_batches
         self.checkpointer, self.config_yaml, self.sinks = checkpointer, config_yaml, sinks
         self.prepare_batch = prepare_batch  # device move + attention inputs for this model
+        self.live = live or NoLiveCost()  # measured cost on the first steps (metrics/live.py)
         self.updater = Updater(ctx.device, settings.skip_nonfinite)
         self.step = 0
 
@@ -72,13 +75,15 @@ class Trainer:
             start = time.perf_counter()  # the step's clock includes fetching and collating its batches
             micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
             self.updater.step = self.step + 1
-            record = {"step": self.step + 1, **self.stage.train_step(micro_batches, self.engines, self.updater)}
+            with self.live.step(self.step + 1):
+                record = {"step": self.step + 1, **self.stage.train_step(micro_batches, self.engines, self.updater)}
             self.step += 1
             step_time = time.perf_counter() - start
             unit = self.stage.count_name
             record.update({f"{unit}_per_s": record[unit] / step_time, "step_time_s": step_time,
                            "skipped_steps": self.updater.skipped_steps})
             record.update(self._memory(memory_pending))
+            record.update(self.live.record(self.step, step_time))
             self._emit(record)
             counted, seconds = counted + record[unit], seconds + step_time
             last = self.step == self.s.max_steps

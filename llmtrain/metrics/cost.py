@@ -37,6 +37,7 @@ class Layout:
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (FSDP2 cpu_offload: cpu)
     persistence_threshold: int = 0  # ZeRO-3: parameters with numel <= this stay whole on every rank
+    reshard_after_forward: bool = True  # FSDP2: blocks resharded after forward (gathered again for backward)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RoleParams:
     persistent: int = 0  # ZeRO-3: numel of the parameters kept whole (P)
     tp_fraction: float = 0.0  # share of the parameters the TP plan splits (q/k/v/o, gate/up/down)
     working: int = 0  # parameters gathered whole at once under ZeRO-3/FSDP2 (two blocks + the largest other module)
+    regathered: float | None = None  # ZeRO-3: parameters gathered again in backward (None: every partitioned one)
+    block_fraction: float = 1.0  # share of the parameters in decoder blocks (FSDP2 reshards those, not the root)
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,35 @@ def activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, tp: int = 1, e
     return per * elem / 2
 
 
+def gated_activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, intermediate: int, kv_heads: int,
+                                     tp: int = 1, elem: int = 2, scores: bool = True) -> float:
+    """A Llama-style block (RMSNorm, GQA, rotary, SwiGLU MLP, no dropout), counted from what autograd saves (measured
+    with saved-tensor hooks, metrics/live.py): per token, two RMSNorms keep their input, the normalised and the
+    weighted output (3h) and 1/rms (1) each — the input of the second is the attention residual, of the first the
+    block input; attention keeps rotated q (h), k and v (2·kv, GQA unrepeated), its output (h, o_proj's input too)
+    and a logsumexp per head (a); the MLP keeps gate, up, silu(gate) and their product (4i).
+    → s·b·(8h + 2kv + 4i/t + a + 2) elements (TP splits the MLP and heads), × elem bytes; eager attention adds the
+    (b, a, s, s) probabilities (a·s per token). GPT's 34·s·b·h (16-bit) assumes a 4h GELU MLP and dropout masks;
+    for the tiny Llama (h 128, i 384) this count is 1.27× it, and matches the measured bytes to 0.01 %."""
+    kv = kv_heads * (h // a)
+    per_token = 8 * h + 2 * kv + (4 * intermediate + a) / tp + 2 + (a * s / tp if scores else 0.0)
+    return s * b * per_token * elem
+
+
 def activation_bytes(b: int, s: int, h: int, a: int, layers: int, *, checkpointing: bool, tp: int = 1,
-                     elem: int = 2, scores: bool = True) -> float:
+                     elem: int = 2, scores: bool = True, intermediate: int | None = None,
+                     kv_heads: int | None = None) -> float:
     """All layers, plus the embedding output (2·s·b·h). Checkpointing keeps each block's input (2·s·b·h) and, in
-    backward, one block's full activations at a time (its recompute)."""
-    layer = activation_bytes_per_layer(b, s, h, a, tp=tp, elem=elem, scores=scores)
+    backward, one block's full activations at a time (its recompute). With `intermediate` (a gated, Llama-style
+    block) the layer is `gated_activation_bytes_per_layer`, whose count holds the block input already, and the final
+    RMSNorm adds its input, normalised and weighted output and 1/rms: s·b·(3h + 1)."""
     block_input = 2 * s * b * h * elem / 2
+    if intermediate:
+        layer = gated_activation_bytes_per_layer(b, s, h, a, intermediate=intermediate, kv_heads=kv_heads or a,
+                                                 tp=tp, elem=elem, scores=scores)
+        outside = s * b * (3 * h + 1) * elem
+        return (layers * block_input + layer if checkpointing else layers * layer) + outside
+    layer = activation_bytes_per_layer(b, s, h, a, tp=tp, elem=elem, scores=scores)
     kept = layers * block_input + layer if checkpointing else layers * layer
     return kept + block_input
 
@@ -177,22 +203,43 @@ def communication(role: RoleParams, layout: Layout, precision: str, *, accum: in
         out.append(Collective("updated weights", "all_gather", w * t, n))
     elif lib == "deepspeed":  # ZeRO-3: persistent parameters are never gathered
         gathered = w * max(0.0, t + f - role.persistent)
+        again = gathered if role.regathered is None else w * role.regathered
         out.append(Collective("weights, forward", "all_gather", gathered, n, k))
+        if t and again:
+            out.append(Collective("weights, backward", "all_gather", again, n, k))
         if t:
-            out.append(Collective("weights, backward", "all_gather", gathered, n, k))
             out.append(Collective("gradients", "reduce_scatter", g * t, n, k))
     else:  # FSDP2: the root (embeddings, head) is not resharded after forward; gradients reduce on the last micro
         split = 1 - role.tp_fraction + role.tp_fraction / layout.tp
         wg = 2 if on_gpu and precision == "bf16" else 4
-        out.append(Collective("weights, forward", "all_gather", wg * (t + f) * split, n, k))
-        if t:
-            out.append(Collective("weights, backward", "all_gather", wg * (t + f) * split, n, k))
+        whole, blocks = wg * (t + f) * split, wg * (t + f) * split * role.block_fraction
+        if t:  # no_sync keeps every unit gathered after each backward but the last's: one forward gather a step;
+            # blocks resharded after each forward are gathered again in each backward (measured, tests/dist)
+            out.append(Collective("weights, forward", "all_gather", whole, n))
+            if layout.reshard_after_forward:
+                out.append(Collective("weights, backward", "all_gather", blocks, n, k))
             out.append(Collective("gradients", "reduce_scatter", 4 * t * split, n))
+        else:
+            out.append(Collective("weights, forward", "all_gather", whole, n, k))
     if layout.tp > 1:  # Megatron: 2 all-reduces of the (b·s, h) activations forward, 2 backward, per block
         per_block = (4 if t else 2) + (2 if checkpointing and t else 0)  # recompute repeats the forward two
         out.append(Collective("TP activations", "all_reduce", w * tokens_per_micro * hidden, layout.tp,
                               per_block * layers * k, overlapped=False))
     return out
+
+
+ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default (numel); llmtrain does not set it
+
+
+def zero3_regathered(layers: int, block: int, embed: int, head: int,
+                     reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> float:
+    """Parameters ZeRO-3 gathers again for backward. After a module's forward DeepSpeed keeps its parameters when
+    they are used again within `reuse_distance` numel of the recorded trace: block l's next use is its own
+    backward, 2·(L-1-l)·B + 2·head numel later; the embedding's 2·L·B + 2·head later; the head's at once. A model
+    smaller than the distance (the tiny test models) is gathered once per micro-batch; for Llama-2-7B blocks 0-29 and
+    the embedding are gathered again, blocks 30-31 and the head are not (counted in tests/dist, live)."""
+    again = sum(block for layer in range(layers) if 2 * (layers - 1 - layer) * block + 2 * head >= reuse_distance)
+    return again + (embed if 2 * layers * block + 2 * head >= reuse_distance else 0)
 
 
 def step_seconds(hardware_flops: float, collectives: list[Collective], *, peak_flops: float, mfu: float,

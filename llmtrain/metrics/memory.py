@@ -116,12 +116,13 @@ def _tensors(obj, depth: int = 0):
             yield from _tensors(value, depth + 1)
 
 
-def gather_per_rank(local: dict[str, float], world_size: int, rank: int, device: torch.device) -> dict[str, float]:
-    """Every rank's `local` (same keys everywhere) as one flat record: `memory_r<rank>_<key>`. A collective."""
+def gather_per_rank(local: dict[str, float], world_size: int, rank: int, device: torch.device,
+                    prefix: str = "memory") -> dict[str, float]:
+    """Every rank's `local` (same keys everywhere) as one flat record: `<prefix>_r<rank>_<key>`. A collective."""
     from llmtrain.parallel import all_reduce_sum
 
     keys = sorted(local)
     table = torch.zeros(world_size, len(keys), dtype=torch.float64, device=device)
     table[rank] = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=device)
     all_reduce_sum(table)
-    return {f"memory_r{r}_{k}": table[r, i].item() for r in range(world_size) for i, k in enumerate(keys)}
+    return {f"{prefix}_r{r}_{k}": table[r, i].item() for r in range(world_size) for i, k in enumerate(keys)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,26 +88,101 @@ def _format(record: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-class WandbSink:
-    """Logs the same records to W&B; the config passed in must already be free of secrets."""
+# W&B's names for the flat metrics.jsonl keys: exact names first, then the first pattern that matches; a key none
+# of them claims is the stage's own (`STAGE_GROUPS`: reward/..., dpo/..., ppo/...; pretrain and SFT: train/...).
+WANDB_EXACT = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+               "skipped_steps": "train/skipped_steps", "tokens": "train/tokens", "pairs": "train/pairs",
+               "samples": "train/samples", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "hfu": "perf/hfu"}
+WANDB_PATTERNS = tuple((re.compile(pattern), name) for pattern, name in (
+    (r"^eval_(.+)", r"eval/\1"),
+    (r"^plan_memory_(.+)", r"memory/plan_\1"),
+    (r"^memory_(.+)", r"memory/\1"),
+    (r"^([a-z]+)_memory_(.+)", r"memory/\1_\2"),  # another trainable role's model states: critic_memory_r0_grads
+    (r"^plan_comm_(.+)", r"comm/plan_\1"),
+    (r"^comm_(.+)", r"comm/\1"),
+    (r"^(.+_per_s)$", r"perf/\1"),
+))
+WANDB_GROUPS = ("train/", "eval/", "perf/", "memory/", "comm/")
+STAGE_GROUPS = {"reward": "reward", "dpo": "dpo", "ppo": "ppo", "grpo": "ppo"}
+WANDB_STEP = "train/step"  # every row carries it; every group is plotted against it (define_metric)
 
-    def __init__(self, *, project: str, name: str | None, directory: Path, mode: str | None,
-                 entity: str | None, tags: list[str], config: dict, resume_id: str | None = None):
+
+def wandb_key(key: str, stage: str) -> str:
+    """The W&B name of one metrics.jsonl key (`eval_loss` -> `eval/loss`, `kl` in PPO -> `ppo/kl`)."""
+    if key in WANDB_EXACT:
+        return WANDB_EXACT[key]
+    for pattern, name in WANDB_PATTERNS:
+        if pattern.match(key):
+            return pattern.sub(name, key)
+    return f"{STAGE_GROUPS.get(stage, 'train')}/{key}"
+
+
+REDACTED = "<redacted>"
+_SECRET_KEY = re.compile(r"^token$|(^|_)((access|auth|hub|hf|api|wandb|github|gh)_?token|secret|password|passwd|"
+                         r"api_?key|apikey|credentials?|private_?key)$", re.I)  # not pad_token, max_new_tokens
+_SECRET_VALUE = re.compile(r"(\bhf_[A-Za-z0-9]{8,}|\bsk-[A-Za-z0-9_-]{8,}|\bgh[pousr]_[A-Za-z0-9]{8,}|"
+                           r"\b[0-9a-f]{40}\b|://[^/@\s]+:[^/@\s]+@|\bbearer\s+\S+)", re.I)
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """A copy of a config with secret-looking entries replaced: keys named like credentials (api_key, hub_token,
+    password, ...) and string values shaped like one (hf_..., sk-..., gh*_..., a 40-hex W&B key, user:pass@ in
+    a URL, "Bearer ..."). The git SHA (40 hex under `git_sha`) is kept."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, key) for v in value]
+    if value is not None and _SECRET_KEY.search(key):
+        return REDACTED
+    if isinstance(value, str) and key != "git_sha" and _SECRET_VALUE.search(value):
+        return REDACTED
+    return value
+
+
+class WandbSink:
+    """The same records in W&B under grouped names (`wandb_key`), plotted against the train step.
+
+    The run id lives in `state_file` (the run dir's wandb.json) with the last step W&B was sent: a resumed run
+    continues that W&B run (`resume="allow"`) and sends nothing at or below that step again, so the steps a
+    restart replays never reach W&B twice and W&B never sees a step go backwards. The config is `redact`ed."""
+
+    def __init__(self, *, project: str, name: str | None, directory: Path, mode: str | None, entity: str | None,
+                 tags: list[str], config: dict, stage: str, state_file: Path, resumed: bool):
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
-        self.wandb = wandb
+        saved = json.loads(state_file.read_text()) if resumed and state_file.exists() else {}
+        self.state_file, self.stage = state_file, stage
+        self.sent_up_to = saved.get("last_step", -1)  # the previous process's last step: replays stop here
+        self.last_step = self.sent_up_to
         self.run = wandb.init(project=project, name=name, dir=str(directory), mode=mode, entity=entity,
-                              tags=tags or None, config=config, id=resume_id,
-                              resume="allow" if resume_id else None)
+                              tags=tags or None, config=redact(config), id=saved.get("id"), resume="allow",
+                              # W&B's own metadata holds the command line (a secret may be in it): ours is the config
+                              settings=wandb.Settings(x_disable_meta=True, disable_code=True, disable_git=True))
+        self.run_id_ = self.run.id
+        self.run.define_metric(WANDB_STEP)
+        for group in {*WANDB_GROUPS, f"{STAGE_GROUPS.get(stage, 'train')}/"}:
+            self.run.define_metric(f"{group}*", step_metric=WANDB_STEP)
+        self._save_state()
 
     @property
     def run_id(self) -> str:
-        return self.run.id
+        return self.run_id_
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if step <= self.sent_up_to:  # a replayed step: W&B has it already
+            return
+        row = {wandb_key(k, self.stage): v for k, v in record.items() if k != "step"}
+        self.run.log({WANDB_STEP: step, **row}, step=step)
+        if step > self.last_step:
+            self.last_step = step
+            self._save_state()
+
+    def _save_state(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": self.run_id_, "last_step": self.last_step}) + "\n")
+        tmp.replace(self.state_file)
 
     def close(self) -> None:
         self.run.finish()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import wandb_log
 from tests.conftest import REPO, assert_ok, assert_stopped_nonfinite, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.e2e
 FAKE_SECRETS = {"WANDB_API_KEY": "wandb-fake-secret-7f3a9c", "HF_TOKEN": "hf_fake_secret_Q81zz",
                 "OPENAI_API_KEY": "sk-fake-secret-000111"}
 TINY = ["recipe=sft_tiny", "trainer.log_every_n_steps=0", "trainer.eval_every_n_steps=2"]
+PEAK_TFLOPS = 0.01  # a stated peak: the run logs MFU against it (a CPU has none of its own)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def wandb_run(tmp_path_factory) -> Path:
     """4 steps, checkpoints at 2 and 4, W&B offline, fake secrets planted in the environment."""
     run_dir = tmp_path_factory.mktemp("wandb_run") / "run"
     result = run_cli([*TINY, "trainer.max_steps=4", "trainer.save_every_n_steps=2", "logger=wandb",
-                      f"output_dir={run_dir}"], env=cli_env(**FAKE_SECRETS))
+                      f"output_dir={run_dir}", f"plan.peak_tflops={PEAK_TFLOPS}"], env=cli_env(**FAKE_SECRETS))
     assert_ok(result)
     return run_dir
 
@@ -53,13 +55,56 @@ def test_secrets_never_reach_the_run_dir(wandb_run):
                 assert secret.encode() not in data, f"{name} leaked into {path}"
 
 
-def test_wandb_offline_run_holds_config_and_metrics(wandb_run):
-    logs = glob.glob(str(wandb_run / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(logs) == 1
-    data = Path(logs[0]).read_bytes()  # W&B's record log: values are stored as JSON text
-    for record in read_metrics(wandb_run)[0]:
-        assert json.dumps(record["loss"]).encode() in data and json.dumps(record["grad_norm"]).encode() in data
-    assert b"micro_batch_size" in data and b"sft_tiny" in data
+def wandb_logs(run_dir: Path) -> list[Path]:
+    return sorted(Path(p) for p in glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+
+
+def test_wandb_offline_run_holds_grouped_metrics_and_config(wandb_run):
+    """Read back with W&B's own records: train/, eval/, perf/ names, eval plotted against the train step, the
+    resolved config with its run metadata, and the run id kept in the run dir."""
+    (log,) = wandb_logs(wandb_run)
+    rows = {row["_step"]: row for row in wandb_log.history(log)}
+    train, evals = read_metrics(wandb_run)
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    for record in train:
+        row = rows[record["step"]]
+        assert row["train/loss"] == record["loss"] and row["train/grad_norm"] == record["grad_norm"]
+        assert row["train/lr"] == record["lr"] and row["perf/tokens_per_s"] == record["tokens_per_s"]
+        assert row["train/step"] == record["step"] and "loss" not in row
+    for record in evals:
+        assert rows[record["step"]]["eval/loss"] == record["eval_loss"]
+        assert rows[record["step"]]["eval/accuracy"] == record["eval_accuracy"]
+    assert wandb_log.metric_definitions(log)["eval/*"] == "train/step"
+    config = wandb_log.config(log)
+    assert config["trainer"]["micro_batch_size"] == 32 and config["recipe"] == "sft_tiny"
+    assert config["run_metadata"]["backend"] == "ddp" and config["run_metadata"]["world_size"] == 1
+    assert json.loads((wandb_run / "wandb.json").read_text()) == {"id": wandb_log.run_id(log), "last_step": 4}
+
+
+def test_live_cost_on_the_first_steps_next_to_the_plan(wandb_run):
+    """Steps 1-2 carry the measured activations (saved-tensor hooks), the peak RSS and the planner's figures; the
+    plan's gated-block count (metrics/cost.py) is within 25 % of the measured bytes (measured: +0.2 %); the model
+    states match the plan; later steps carry none of it. W&B shows them under memory/."""
+    train = read_metrics(wandb_run)[0]
+    first = train[0]  # model states are logged once, when the optimizer state exists
+    states = first["memory_r0_params"] + first["memory_r0_grads"] + first["memory_r0_optimizer"]
+    assert abs(states - first["plan_memory_state"]) <= 0.05 * first["plan_memory_state"]
+    for record in train[:2]:
+        measured, planned = record["memory_r0_activations"], record["plan_memory_activations"]
+        assert abs(measured - planned) <= 0.25 * planned, f"activations {measured} vs plan {planned}"
+        assert record["memory_r0_rss_peak"] > states + measured  # the process holds at least those tensors
+        assert record["memory_r0_activation_rows"] == 32 and 0 < record["memory_r0_activation_seq"] <= 64
+        assert record["memory_r0_plan_activations"] == planned
+    assert not any(k.startswith(("memory_r0_activations", "plan_memory")) for r in train[2:] for k in r)
+    # MFU: this rank's tokens (rows × padded length: one forward a step here) × (6·M + 12·L·h·s) over time × peak
+    flops_per_token = 6 * 461_184 + 12 * 2 * 128 * 64  # sft_tiny: M, L, h, s = max_seq_len
+    for record in train[:2]:
+        tokens = record["memory_r0_activation_rows"] * record["memory_r0_activation_seq"]
+        assert record["mfu"] == pytest.approx(tokens * flops_per_token / (record["step_time_s"] * PEAK_TFLOPS * 1e12))
+        assert record["hfu"] == record["mfu"]  # no activation checkpointing: no recompute
+    rows = {row["_step"]: row for row in wandb_log.history(wandb_logs(wandb_run)[0])}
+    assert rows[1]["memory/r0_activations"] == train[0]["memory_r0_activations"]
+    assert rows[1]["memory/plan_activations"] == train[0]["plan_memory_activations"]
 
 
 def test_config_yaml_has_run_metadata(wandb_run):
@@ -149,17 +194,34 @@ def test_existing_run_dir_is_not_overwritten_and_resume_auto_continues(wandb_run
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_6"
 
 
-def test_torn_checkpoint_is_ignored_with_a_warning(wandb_run, tmp_path):
+CONFIG_SECRETS = {"hub_token": "cfg-fake-hub-token-5d1e", "note": "hf_cfgFakeSecretValue99"}  # a key, a value
+
+
+def test_torn_checkpoint_is_ignored_and_wandb_continues_its_run(wandb_run, tmp_path):
+    """Resume from step_2 (step_4 torn): steps 3-4 are redone with identical losses; W&B continues the same run
+    and is sent only step 5 (3 and 4 it had); secrets planted in the environment and the config reach no W&B file."""
     run_dir = tmp_path / "run"
     shutil.copytree(wandb_run, run_dir)
     (run_dir / "checkpoints" / "step_4" / "COMPLETE").unlink()  # as if the save died before its marker
-    result = run_cli([*TINY, "trainer.max_steps=5", f"output_dir={run_dir}", "resume=auto"])
+    planted = "backend.ds_config_overrides={" + ",".join(f"{k}:{v}" for k, v in CONFIG_SECRETS.items()) + "}"
+    result = run_cli([*TINY, "trainer.max_steps=5", f"output_dir={run_dir}", "resume=auto", "logger=wandb", planted],
+                     env=cli_env(**FAKE_SECRETS))
     assert_ok(result)
     assert "not complete" in result.stderr or "no COMPLETE marker" in result.stderr
     train = read_metrics(run_dir)[0]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]  # steps 3-4 redone from step_2
     original = read_metrics(wandb_run)[0]
     assert [r["loss"] for r in train[:4]] == [r["loss"] for r in original]
+    first, resumed = wandb_logs(run_dir)
+    assert wandb_log.run_id(first) == wandb_log.run_id(resumed)
+    assert [row["_step"] for row in wandb_log.history(resumed)] == [5]
+    assert wandb_log.history(resumed)[0]["train/loss"] == train[4]["loss"]
+    assert wandb_log.config(resumed)["backend"]["ds_config_overrides"] == dict.fromkeys(CONFIG_SECRETS, "<redacted>")
+    for path in (run_dir / "wandb").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            for secret in [*FAKE_SECRETS.values(), *CONFIG_SECRETS.values()]:
+                assert secret.encode() not in data, f"{secret} leaked into {path}"
 
 
 def test_dry_run_of_a_7b_recipe_loads_nothing(tmp_path):

@@ -95,3 +95,22 @@ def test_counted_skip_passes_and_spike_is_flagged(tiny_run, kernel_name, monkeyp
     assert "2 flagged steps: [12, 16]" in printed(nb), printed(nb)
     summary = " ".join(printed(nb, "summary").split())
     assert "non-finite loss or grad norm: 1; 1 loss spikes" in summary, summary
+
+
+def test_cost_notebook_puts_the_plan_next_to_the_run(tiny_run, kernel_name, monkeypatch):
+    """notebooks/cost.ipynb on the same fresh run: the planner's table for every backend, the run's measured model
+    states and activations next to its row (errors printed), the throughput, and cost.png written."""
+    nb = run_notebook(REPO / "notebooks" / "cost.ipynb", tiny_run, kernel_name, monkeypatch)
+    text = printed(nb)
+    for backend in ("ddp", "zero2", "zero3", "fsdp2"):
+        assert f"{backend}: fits at micro-batch" in text, backend
+    first = read_metrics(tiny_run)[0][0]
+    error = first["memory_r0_activations"] / first["memory_r0_plan_activations"] - 1
+    assert "activations r0" in text and f"({error:+.2%})" in text
+    assert "tokens/s over steps 3..20" in printed(nb, "summary")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "tables instead of plots" in text
+    else:
+        assert (tiny_run / "cost.png").stat().st_size > 0

@@ -15,3 +15,27 @@ def test_console_off_a_terminal_prints_lines_and_runs_no_live_display(capsys):
     sink.close()
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[:2] for line in lines] == [["train", "step=1"], ["train", "step=2"], ["eval", "step=3"]]
+
+
+def test_wandb_names_group_flat_keys_by_one_table():
+    from llmtrain.metrics.sinks import wandb_key
+
+    expected = {("loss", "sft"): "train/loss", ("eval_accuracy", "sft"): "eval/accuracy",
+                ("tokens_per_s", "sft"): "perf/tokens_per_s", ("mfu", "sft"): "perf/mfu",
+                ("memory_r1_params", "sft"): "memory/r1_params", ("plan_memory_activations", "sft"): "memory/plan_activations",
+                ("comm_r0_wire_bytes", "sft"): "comm/r0_wire_bytes", ("kl_coef", "ppo"): "ppo/kl_coef",
+                ("time_rollout", "grpo"): "ppo/time_rollout", ("eval_score", "ppo"): "eval/score",
+                ("accuracy", "reward"): "reward/accuracy", ("chosen_reward", "dpo"): "dpo/chosen_reward",
+                ("loss", "dpo"): "train/loss", ("critic_memory_r0_grads", "ppo"): "memory/critic_r0_grads",
+                ("samples_per_s", "ppo"): "perf/samples_per_s", ("time_rollout_s", "ppo"): "ppo/time_rollout_s"}
+    assert {k: wandb_key(*k) for k in expected} == expected
+
+
+def test_redact_hides_credential_keys_and_token_shaped_values_only():
+    from llmtrain.metrics.sinks import REDACTED, redact
+
+    config = {"hub_token": "abc", "hf": {"API_KEY": 7, "password": "pw"}, "note": "use hf_abcdefghijk0",
+              "url": "https://me:pw@host/data", "pad_token": "<pad>", "max_new_tokens": 8, "tokenizer": "/tok",
+              "run_metadata": {"git_sha": "a" * 40}, "tags": ["x", "sk-abcdefgh12345"]}
+    assert redact(config) == {**config, "hub_token": REDACTED, "hf": {"API_KEY": REDACTED, "password": REDACTED},
+                              "note": REDACTED, "url": REDACTED, "tags": ["x", REDACTED]}

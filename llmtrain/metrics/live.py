@@ -1,0 +1,193 @@
+"""Live cost on the first few steps of every run, next to the planner's figure for the same config.
+
+Per rank: the bytes autograd saves for backward during one forward (`torch.autograd.graph.saved_tensors_hooks`:
+each storage once, weights excluded — the activations), the process's peak RSS, on a GPU CUDA's max allocated;
+on rank 0 model FLOPs utilisation on a GPU with a known peak (tokens/s is logged every step anyway). The
+planner's per-rank figures come with them: model states as metrics/cost.py says this backend holds them, and
+activations + logits at the shape the peak forward really had (metrics/cost.py's formula for this model).
+
+Flat keys for metrics.jsonl (`memory_r<rank>_activations` next to `memory_r<rank>_plan_activations` at that
+rank's shape `memory_r<rank>_activation_rows` × `_seq`, `memory_r<rank>_rss_peak`, `plan_memory_state`,
+`plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`); W&B shows them under memory/ and perf/. After `steps` steps every hook is
+removed: nothing is measured or logged later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from llmtrain.metrics.comm import KINDS, CommCounter, planned, route_ddp_buckets
+from llmtrain.metrics.memory import gather_per_rank
+
+
+def _weight(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (Linear saves `weight.t()`): model state, not an activation."""
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+class SavedTensorMeter:
+    """Bytes autograd saves for backward, per forward of the watched modules (each storage once, weights not
+    counted); `peak` is the largest forward's, `shape` its input's (rows, sequence)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules, self.handles = modules, []
+        self.current, self.peak, self.shape, self.tokens = 0, 0, (0, 0), 0
+        self._seen: set[int] = set()
+        self._input_shape = (0, 0)
+
+    def _pre_forward(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if ids is None or not torch.is_grad_enabled():
+            return
+        self._new_forward()
+        self._input_shape = tuple(ids.shape[-2:]) if ids.dim() >= 2 else (1, ids.shape[-1])
+        self.tokens += ids.numel()
+
+    def _new_forward(self) -> None:
+        if self.current > self.peak:
+            self.peak, self.shape = self.current, self._input_shape
+        self.current, self._seen = 0, set()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta" and not _weight(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.current += storage.nbytes()
+        return tensor
+
+    @contextlib.contextmanager
+    def watch(self):
+        self.handles = [m.register_forward_pre_hook(self._pre_forward, with_kwargs=True) for m in self.modules]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+                yield self
+        finally:
+            for handle in self.handles:
+                handle.remove()
+            self._new_forward()
+
+
+@dataclass(frozen=True)
+class PlanFigures:
+    """The planner's per-rank numbers for this run (llmtrain/plan.py's row) and how to size activations."""
+    state_bytes: float  # model states on the device, every role: weights, master, grads, optimizer (what the ledger counts)
+    gathered_bytes: float  # + the working copies gathered while computing (ZeRO-3 / FSDP2 modules, autocast's copies)
+    activations: object  # (rows, seq) -> activation + logits bytes of one forward of one role
+    flops_per_token: float  # model FLOPs of one trained token (6·M + 12·L·h·s at the config's s)
+    hardware_flops_per_token: float  # + one more forward of the blocks under activation checkpointing
+    peak_flops: float | None  # the device's dense 16-bit peak (plan.gpu / plan.peak_tflops); None: no MFU
+    comm: dict  # `<kind>_payload` / `<kind>_wire` of one step (metrics/cost.py `communication`)
+
+
+class LiveCost:
+    """The trainer's hook: `with live.step(n):` around a step's work, then `live.record(n, step_time)`."""
+
+    def __init__(self, *, modules: list[torch.nn.Module], plan: PlanFigures, ctx, steps: int = 2):
+        self.modules, self.plan, self.ctx, self.steps = modules, plan, ctx, steps
+        self.meter: SavedTensorMeter | None = None
+        self.counter: CommCounter | None = None
+        for module in modules:
+            route_ddp_buckets(module)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+
+    def active(self, step: int) -> bool:
+        return step <= self.steps
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        if not self.active(step):
+            yield
+            return
+        self.meter, self.counter = SavedTensorMeter(self.modules), CommCounter()
+        with self.meter.watch(), self.counter.counting():
+            yield
+
+    def record(self, step: int, step_time: float) -> dict:
+        """This step's measured and planned figures (a collective over ranks on the steps it measures)."""
+        if not self.active(step) or self.meter is None:
+            return {}
+        meter, counter, self.meter, self.counter = self.meter, self.counter, None, None
+        local = {"activations": meter.peak, "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "plan_activations": self.plan.activations(*meter.shape),  # at this rank's own largest forward
+                 "activation_rows": meter.shape[0], "activation_seq": meter.shape[1]}
+        if self.ctx.device.type == "cuda":
+            local["cuda_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        out = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device)
+        out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_gathered": self.plan.gathered_bytes,
+                    "plan_memory_activations": out["memory_r0_plan_activations"]})
+        out.update(self._comm(counter))
+        if self.plan.peak_flops:  # this rank's trained tokens (with padding) over its own time
+            out["mfu"] = meter.tokens * self.plan.flops_per_token / (step_time * self.plan.peak_flops)
+            out["hfu"] = meter.tokens * self.plan.hardware_flops_per_token / (step_time * self.plan.peak_flops)
+        return out
+
+    def _comm(self, counter: CommCounter) -> dict:
+        """Counted per rank (`comm_r<rank>_<kind>_{payload,wire,calls}`) and planned (`plan_comm_<kind>_...`), the
+        kinds that either has; totals `comm_r<rank>_payload`/`_wire` and `plan_comm_payload`/`_wire`."""
+        local = counter.local()
+        local.update({"payload": sum(local[f"{k}_payload"] for k in KINDS), "wire": sum(local[f"{k}_wire"] for k in KINDS)})
+        gathered = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device, prefix="comm")
+        plan = self.plan.comm
+        used = {k for k in KINDS if f"{k}_payload" in plan or any(gathered[f"comm_r{r}_{k}_calls"]
+                                                                  for r in range(self.ctx.world_size))}
+        unused = set(KINDS) - used
+        out = {key: value for key, value in gathered.items() if key.split("_", 2)[2].rsplit("_", 1)[0] not in unused}
+        out.update({f"plan_comm_{key}": value for key, value in plan.items()})
+        out.update({"plan_comm_payload": sum(v for k, v in plan.items() if k.endswith("_payload")),
+                    "plan_comm_wire": sum(v for k, v in plan.items() if k.endswith("_wire"))})
+        return out
+
+
+class NoLiveCost:
+    """Measures nothing (a trainer built without a LiveCost)."""
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        yield
+
+    def record(self, step: int, step_time: float) -> dict:
+        return {}
+
+
+def plan_figures(cfg, world: int, device: torch.device, precision: str) -> PlanFigures:
+    """The planner's row for this run's backend, world and device (llmtrain/plan.py, the model on the meta device)."""
+    from llmtrain.metrics.cost import activation_bytes, logits_bytes
+    from llmtrain.metrics.devices import resolve_gpu
+    from llmtrain.metrics.flops import training_flops_per_token
+    from llmtrain.models.facts import model_facts
+    from llmtrain.plan import layout_of, plan_row, row_name, setting
+
+    facts = model_facts(cfg)
+    gpu = resolve_gpu(cfg.plan, device.type, world)
+    st = setting(cfg, world, gpu, precision, facts)
+    row = plan_row(st, layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden))
+    elem = 2 if precision in ("bf16", "fp16") else 4
+
+    def activations(rows: int, seq: int) -> float:
+        """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
+        as if all were alive at once)."""
+        return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
+                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads)
+                + logits_bytes(rows, seq, st.logits_vocab))
+
+    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
+    recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0
+    # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
+    return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
+                       gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
+                       flops_per_token=model, hardware_flops_per_token=model + recompute,
+                       peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
+                       comm=planned(row.comm))
+
+
+def live_cost(cfg, ctx, precision: str, engines: dict, roles: list[str], steps: int = 2) -> LiveCost:
+    """The run's LiveCost: the trainable roles' modules watched, the plan for this world and device."""
+    return LiveCost(modules=[engines[role].module for role in roles],
+                    plan=plan_figures(cfg, ctx.world_size, ctx.device, precision), ctx=ctx, steps=steps)
