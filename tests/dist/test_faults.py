@@ -62,6 +62,9 @@ def test_killed_rank_restarts_every_rank_from_the_last_checkpoint(straight, tmp_
     result = torchrun_sh(out, MAX_RESTARTS="1", LLMTRAIN_TEST_FAULT="rank=1,step=7,signal=KILL")
     assert_ok(result)
     assert "test fault: SIGKILL to self at step 7" in result.stderr
+    # rank 0 does not wait for a timeout: its next collective fails at once (the dead rank's connection closed)
+    assert "llmtrain: error on rank 0: step 7: a collective did not complete while agreeing whether to stop" in \
+        result.stderr
     assert f"resumed from {out}/checkpoints/step_5 at step 5" in result.stderr, result.stderr[-3000:]
     assert train_steps(out) == list(range(1, 13))
     assert losses(out) == losses(straight)
