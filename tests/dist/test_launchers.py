@@ -1,5 +1,5 @@
 """The launch scripts themselves: every one parses (bash -n, shellcheck when installed); two torchrun "nodes" on
-loopback from NNODES/MASTER_ADDR/MASTER_PORT; the SLURM script under a fake srun/scontrol (tests/dist/fake_slurm)
+loopback from NNODES/MASTER_ADDR/MASTER_PORT that restart together after a rank dies; the SLURM script under a fake srun/scontrol (tests/dist/fake_slurm)
 with SLURM variables set here: 2 nodes × 1 rank on loopback, SIGUSR1 ahead of the time limit -> every rank saves
 and stops, the script requeues the job, and the requeued job resumes and finishes."""
 
@@ -44,16 +44,24 @@ def env_with(**extra: str) -> dict:
     return cli_env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra)
 
 
-def test_two_torchrun_nodes_on_loopback_from_nnodes_and_master_addr(tmp_path):
+def test_two_torchrun_nodes_on_loopback_restart_together_after_a_rank_dies(tmp_path):
+    """NNODES=2 × NPROC=1 from NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT, MAX_RESTARTS=1: rank 1 (the other node)
+    is SIGKILLed after step 7; both agents start a new rendezvous round (a fresh store:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 from the script) and every rank resumes from step_5."""
     out, port = tmp_path / "run", str(free_port())
-    nodes = [subprocess.Popen(["bash", str(REPO / "launch/torchrun.sh"), *ARGS, "trainer.max_steps=3",
-                               f"output_dir={out}"], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    nodes = [subprocess.Popen(["bash", str(REPO / "launch/torchrun.sh"), *ARGS, "trainer.max_steps=12",
+                               "trainer.save_every_n_steps=5", f"output_dir={out}"], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env=env_with(NNODES="2", NODE_RANK=str(rank), NPROC="1", MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=port, RDZV_ID="loopback"))
+                                           MASTER_PORT=port, RDZV_ID="loopback", MAX_RESTARTS="1",
+                                           LLMTRAIN_TEST_FAULT="rank=1,step=7,signal=KILL"))
              for rank in (0, 1)]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
-    assert "world 2" in "".join(logs) and [r["step"] for r in read_metrics(out)[0]] == [1, 2, 3]
+    text = "\n".join(logs)
+    assert [node.returncode for node in nodes] == [0, 0], text[-6000:]
+    assert "world 2" in text and "test fault: SIGKILL to self at step 7" in text
+    assert f"resumed from {out}/checkpoints/step_5 at step 5" in text
+    assert [r["step"] for r in read_metrics(out)[0]] == list(range(1, 13))
 
 
 def sbatch(out: Path, slurm_log: Path, restart: int, *extra: str) -> subprocess.Popen:
