@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from llmtrain.compose import compose_config
     from llmtrain.data.errors import DataConfigError
+    from llmtrain.faults import CollectiveFailure
     from llmtrain.trainer import NonFiniteError
     from llmtrain.parallel import env_rank
     from llmtrain.run import run
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as error:
         print(f"llmtrain: stopped on rank {env_rank()}: {error}", file=sys.stderr, flush=True)
         return 3
+    except CollectiveFailure as error:
+        print(f"llmtrain: error on {error}", file=sys.stderr, flush=True)
+        return 4
     return 0
 
 

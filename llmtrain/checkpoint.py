@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmtrain.faults import inject
 from llmtrain.parallel import DistContext, barrier
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ class Checkpointer:
             engine.save_checkpoint(tmp / "engines" / role)
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
         barrier()
+        inject("save", rank=self.ctx.rank, step=step)  # tests: a rank killed inside the save
         if self.ctx.is_main:
             (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "parent": self.parent}, indent=1))
             (tmp / "stage.json").write_text(json.dumps(stage_state, indent=1))

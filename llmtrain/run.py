@@ -149,7 +149,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=fetches,
                                global_batch_size=per_fetch * fetches * dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
-                               skip_nonfinite=t.skip_nonfinite)
+                               skip_nonfinite=t.skip_nonfinite, collective_timeout_s=t.collective_timeout_s)
     trainer = Trainer(
         settings, ctx=ctx, stage=stage, engines=engines,
         train_batches=lambda start: train_batches(
@@ -166,8 +166,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         trainer.resume_from(resume_dir)
     trainer.sinks = _sinks(cfg, run_dir, trainer.step, resume_dir is not None, config_yaml) if ctx.is_main else []
     try:
-        trainer.fit()
-        export(stage, engines, tokenizer, run_dir, ctx)
+        if trainer.fit():  # False: stopped by a signal, saved; the run is not over
+            export(stage, engines, tokenizer, run_dir, ctx)
         quiesce()  # before the engines (DDP's Reducer, DeepSpeed's groups) are released on return: see quiesce
     finally:
         for sink in trainer.sinks:

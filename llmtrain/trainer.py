@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from llmtrain.faults import StopSignals, agree_to_stop, collective_guard, inject
 from llmtrain.metrics.live import NoLiveCost
 from llmtrain.metrics.memory import gather_per_rank
 from llmtrain.parallel import DistContext
@@ -29,6 +30,7 @@ class TrainerSettings:
     eval_every_n_steps: int
     save_every_n_steps: int
     skip_nonfinite: bool
+    collective_timeout_s: int = 600  # named in the error a timed-out collective raises
 
 
 class Trainer:
@@ -65,34 +67,59 @@ class Trainer:
         log.info("resumed from %s at step %d", step_dir, self.step)
 
     # ---- loop --------------------------------------------------------------------------------
-    def fit(self) -> None:
+    def fit(self) -> bool:
+        """Train to max_steps (True), or until a stop signal (False): every rank then saves the step they agreed
+        on (llmtrain/faults.py) and returns, so the process exits 0 and a restart resumes from that step."""
         batches = self.train_batches(self.step)
         if self.step == 0 and self.eval_batches is not None and self.s.eval_every_n_steps > 0:
-            self._emit(self.evaluate())
+            with self._guard("evaluating"):
+                self._emit(self.evaluate())
         memory_pending = set(trainable_roles(self.stage.roles))  # logged once each optimizer state exists
         counted, seconds = 0, 0.0
-        while self.step < self.s.max_steps:
-            start = time.perf_counter()  # the step's clock includes fetching and collating its batches
-            micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
-            self.updater.step = self.step + 1
-            with self.live.step(self.step + 1):
-                record = {"step": self.step + 1, **self.stage.train_step(micro_batches, self.engines, self.updater)}
-            self.step += 1
-            step_time = time.perf_counter() - start
-            unit = self.stage.count_name
-            record.update({f"{unit}_per_s": record[unit] / step_time, "step_time_s": step_time,
-                           "skipped_steps": self.updater.skipped_steps})
-            record.update(self._memory(memory_pending))
-            record.update(self.live.record(self.step, step_time))
-            self._emit(record)
-            counted, seconds = counted + record[unit], seconds + step_time
-            last = self.step == self.s.max_steps
-            if self.eval_batches is not None and (last or _due(self.step, self.s.eval_every_n_steps)):
-                self._emit(self.evaluate())
-            if last or _due(self.step, self.s.save_every_n_steps):
-                self.save()
+        with StopSignals() as stop:
+            while self.step < self.s.max_steps:
+                with self._guard("running the training step", self.step + 1):
+                    record = self._train_step(batches, memory_pending)
+                self._emit(record)
+                counted, seconds = counted + record[self.stage.count_name], seconds + record["step_time_s"]
+                inject("step", rank=self.ctx.rank, step=self.step)
+                with self._guard("agreeing whether to stop (one all-reduce per step)"):
+                    stopping = agree_to_stop(stop, self.ctx.device)
+                last = self.step == self.s.max_steps
+                if self.eval_batches is not None and (last or _due(self.step, self.s.eval_every_n_steps)):
+                    with self._guard("evaluating"):
+                        self._emit(self.evaluate())
+                if last or stopping or _due(self.step, self.s.save_every_n_steps):
+                    with self._guard("saving a checkpoint"):
+                        self.save()
+                if stopping and not last:
+                    log.warning("stopped at step %d on a stop signal (%s on this rank): checkpoint saved; resume "
+                                "with resume=auto", self.step, stop.requested or "sent to another rank")
+                    return False
+        unit = self.stage.count_name
         if self.ctx.is_main and seconds > 0:  # total over total: a median of per-step rates favours short steps
             log.info("trained on %d %s in %.1f s of steps: %.1f %s/s", counted, unit, seconds, counted / seconds, unit)
+        return True
+
+    def _train_step(self, batches: Iterator, memory_pending: set[str]) -> dict:
+        start = time.perf_counter()  # the step's clock includes fetching and collating its batches
+        micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
+        self.updater.step = self.step + 1
+        with self.live.step(self.step + 1):
+            record = {"step": self.step + 1, **self.stage.train_step(micro_batches, self.engines, self.updater)}
+        self.step += 1
+        step_time = time.perf_counter() - start
+        unit = self.stage.count_name
+        record.update({f"{unit}_per_s": record[unit] / step_time, "step_time_s": step_time,
+                       "skipped_steps": self.updater.skipped_steps})
+        record.update(self._memory(memory_pending))
+        record.update(self.live.record(self.step, step_time))
+        return record
+
+    def _guard(self, doing: str, step: int | None = None):
+        """A failed or timed-out collective in the block becomes an error naming this rank, the step and `doing`."""
+        return collective_guard(rank=self.ctx.rank, step=self.step if step is None else step, doing=doing,
+                                timeout_s=self.s.collective_timeout_s)
 
     def _memory(self, pending: set[str]) -> dict:
         """Each trainable role's per-rank model-state bytes, once measured (`memory_r<rank>_<key>`, other

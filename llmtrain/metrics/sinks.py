@@ -21,14 +21,16 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per line; on resume, lines past the resumed step are dropped first."""
+    """One JSON object per line. On resume, the rows past the resumed step (steps the restart replays) are dropped
+    first, so every step appears once; a torn line (the process killed mid-write) is dropped with a warning."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line, record in _parsed_lines(path) if record.get("step", 0) <= resume_step]
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)  # a kill while rewriting leaves the old file, never half of it
         self.file = open(path, "a")
 
     def log(self, record: dict[str, Any]) -> None:
@@ -37,6 +39,18 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _parsed_lines(path: Path) -> list[tuple[str, dict]]:
+    parsed = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            parsed.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            log.warning("%s line %d is not a whole JSON record (a write cut short): dropped", path, number)
+    return parsed
 
 
 class ConsoleSink:

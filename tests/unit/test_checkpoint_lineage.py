@@ -47,3 +47,24 @@ def test_a_step_folder_is_replaced_only_once_its_successor_is_complete(tmp_path)
     _replace_dir(tmp, final)
     assert [p.name for p in final.iterdir()] == ["new"] and not tmp.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]  # the old copy is gone after the rename
+
+
+def test_resume_auto_skips_every_kind_of_torn_save(tmp_path, caplog):
+    """Where a kill inside a save can leave things: the hidden temp folder (before the rename), a step folder
+    without COMPLETE (a copy made by hand, or another tool), and a complete folder that `latest` does not name yet
+    (killed between the rename and `latest`): resume=auto takes the step `latest` names, and without a usable
+    `latest` the newest complete folder, never a torn one."""
+    from llmtrain.checkpoint import find_resume_dir
+
+    checkpoints = tmp_path / "checkpoints"
+    step(checkpoints, 5, None)
+    (checkpoints / "latest").write_text("step_5\n")
+    (checkpoints / ".tmp_step_10" / "rng").mkdir(parents=True)
+    torn = checkpoints / "step_15"
+    (torn / "engines").mkdir(parents=True)
+    assert find_resume_dir("auto", tmp_path) == checkpoints / "step_5"
+    step(checkpoints, 10, "step_5")  # renamed, `latest` not replaced yet
+    assert find_resume_dir("auto", tmp_path) == checkpoints / "step_5"
+    (checkpoints / "latest").write_text("step_15\n")  # names a folder that is not complete
+    assert find_resume_dir("auto", tmp_path) == checkpoints / "step_10"
+    assert "ignoring checkpoint" in caplog.text and "not complete" in caplog.text

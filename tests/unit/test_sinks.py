@@ -39,3 +39,23 @@ def test_redact_hides_credential_keys_and_token_shaped_values_only():
               "run_metadata": {"git_sha": "a" * 40}, "tags": ["x", "sk-abcdefgh12345"]}
     assert redact(config) == {**config, "hub_token": REDACTED, "hf": {"API_KEY": REDACTED, "password": REDACTED},
                               "note": REDACTED, "url": REDACTED, "tags": ["x", REDACTED]}
+
+
+def test_jsonl_on_resume_drops_replayed_rows_and_a_torn_last_line(tmp_path, caplog):
+    """A restart from step 5 after rank 0 wrote steps up to 7, the last one cut short: steps 6-7 go (the restart
+    replays them), the torn line goes with a warning, and the file stays one record per step."""
+    import json
+
+    from llmtrain.metrics.sinks import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 8)] + [json.dumps({"step": 5, "eval_loss": 2.0})]
+    path.write_text("\n".join(rows) + "\n" + '{"step": 8, "lo')
+    sink = JsonlSink(path, resume_step=5)
+    for step in (6, 7):
+        sink.log({"step": step, "loss": 0.5})
+    sink.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r for r in records if "eval_loss" in r] == [{"step": 5, "eval_loss": 2.0}]
+    assert "is not a whole JSON record" in caplog.text

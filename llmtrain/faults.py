@@ -1,0 +1,121 @@
+"""Faults the trainer meets: a stop request (preemption), a collective that fails or hangs, and test faults.
+
+- `StopSignals`: SIGTERM / SIGUSR1 (what SLURM sends ahead of a time limit or on preemption, and what torchrun
+  forwards to its workers) only set a flag; `agree_to_stop` is the one tiny collective per step that tells
+  every rank whether any rank was asked to stop, so that all of them save the same step and exit 0. Repeats
+  are ignored (SLURM signals every process of a job step, and torchrun forwards the same signal again).
+- `collective_guard`: a collective that times out (trainer.collective_timeout_s) or loses its peer raises
+  `CollectiveFailure`, naming the rank, the step and what the loop was doing, with torch's message (gloo
+  says the operation, e.g. "recv"; NCCL's watchdog names the collective and its sequence number).
+- `inject`: the faults the tests need, at a precise step, with real signals, from the environment variable
+  LLMTRAIN_TEST_FAULT="rank=1,step=7,signal=KILL[,at=step|save][,target=self|launcher]". It fires only in
+  the first attempt (TORCHELASTIC_RESTART_COUNT 0), so a torchrun restart runs clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+
+import torch
+
+from llmtrain.parallel import all_reduce_max
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+TEST_FAULT_ENV = "LLMTRAIN_TEST_FAULT"
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective did not complete on this rank: a peer stalled, died or took another code path."""
+
+
+class StopSignals:
+    """While active (a context manager around the loop), SIGTERM and SIGUSR1 set `requested` instead of killing.
+
+    Only around the loop: during start-up (rendezvous, loading) a signal keeps its default action, because a
+    rank blocked in a store wait would only see the flag after that wait's timeout.
+    """
+
+    def __init__(self):
+        self.requested: str | None = None  # the signal's name, once one came
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:  # SLURM signals every process of a step and torchrun forwards: often twice
+            log.warning("%s received again: already stopping at the end of this step", name)
+            return
+        self.requested = name
+        log.warning("%s received: saving a checkpoint at the end of this step, then exiting (SIGINT or SIGKILL "
+                    "stop at once)", name)
+
+    def __enter__(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def agree_to_stop(stop: StopSignals, device: torch.device) -> bool:
+    """True on every rank when any rank was asked to stop: one all-reduce of one number."""
+    flag = torch.tensor([1 if stop.requested else 0], dtype=torch.int32, device=device)
+    return bool(all_reduce_max(flag).item())
+
+
+def _is_collective_error(error: BaseException) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if dist_error and isinstance(error, dist_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("gloo", "NCCL", "Timed out", "timed out", "Connection closed by peer",
+                                      "Connection reset by peer", "ProcessGroup"))
+
+
+@contextlib.contextmanager
+def collective_guard(*, rank: int, step: int, doing: str, timeout_s: int):
+    """Re-raise a failed collective inside the block as a `CollectiveFailure` that says where and what to do."""
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, CollectiveFailure) or not _is_collective_error(error):
+            raise
+        raise CollectiveFailure(
+            f"rank {rank}: step {step}: a collective did not complete while {doing} (torch: {str(error).strip()}). "
+            f"Another rank stalled, died or took another code path; its own log says which. A stall longer than "
+            f"trainer.collective_timeout_s={timeout_s} s ends the job: raise it if a step legitimately takes longer "
+            "(a slow save on a shared filesystem, a first step that compiles); resume with resume=auto") from error
+
+
+# ---- test faults ------------------------------------------------------------------------------------
+
+def _parse_fault(text: str) -> dict:
+    fields = dict(part.split("=", 1) for part in text.split(",") if part)
+    unknown = set(fields) - {"rank", "step", "signal", "at", "target"}
+    if unknown or not {"rank", "step", "signal"} <= set(fields):
+        raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected rank=R,step=S,signal=NAME[,at=step|save]"
+                         "[,target=self|launcher]")
+    return {"rank": int(fields["rank"]), "step": int(fields["step"]), "at": fields.get("at", "step"),
+            "signal": getattr(signal, f"SIG{fields['signal'].upper().removeprefix('SIG')}"),
+            "target": fields.get("target", "self")}
+
+
+def inject(at: str, *, rank: int, step: int) -> None:
+    """Send the configured signal when this rank reaches `step` at the point `at` ("step": after the step's
+    update, before the stop agreement; "save": inside the save, after every rank wrote its files)."""
+    text = os.environ.get(TEST_FAULT_ENV)
+    if not text or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    fault = _parse_fault(text)
+    if (fault["at"], fault["rank"], fault["step"]) != (at, rank, step):
+        return
+    pid = os.getppid() if fault["target"] == "launcher" else os.getpid()
+    log.warning("test fault: %s to %s at %s %d", fault["signal"].name, fault["target"], at, step)
+    os.kill(pid, fault["signal"])
