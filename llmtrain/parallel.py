@@ -133,8 +133,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+_abandoned = False  # a collective failed: the process group is not torn down (see abandon_process_group)
+
+
+def abandon_process_group() -> None:
+    """After a failed or timed-out collective, leave the process group as it is: destroying it joins gloo's worker
+    thread, which may still be blocked on the stalled peer (measured: rank 0 then never exited, and torchrun
+    never learned it had failed). The process exits without it (llmtrain/__main__.py: os._exit)."""
+    global _abandoned
+    _abandoned = True
+
+
 def shutdown() -> None:
-    if dist.is_initialized():
+    if dist.is_initialized() and not _abandoned:
         dist.destroy_process_group()
 
 
