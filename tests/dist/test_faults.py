@@ -33,9 +33,22 @@ def launch_env(**extra: str) -> dict:
     return cli_env(NPROC="2", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra)
 
 
+def run_group(cmd: list[str], env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a launcher in its own session; on a timeout kill the whole session (launcher and ranks: a stuck rank
+    must not outlive the test)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def torchrun_sh(out: Path, *extra: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), *ARGS, *extra, f"output_dir={out}"],
-                          env=launch_env(**env), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return run_group(["bash", str(REPO / "launch" / "torchrun.sh"), *ARGS, *extra, f"output_dir={out}"],
+                     launch_env(**env), timeout)
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -172,8 +185,7 @@ def test_deepspeed_launcher_trains_stops_on_sigterm_and_resumes_bitwise(straight
     out = tmp_path / "run"
 
     def deepspeed_sh(**env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(REPO / "launch" / "deepspeed.sh"), *ARGS, f"output_dir={out}"],
-                              env=launch_env(**env), capture_output=True, text=True, timeout=300, cwd=REPO)
+        return run_group(["bash", str(REPO / "launch" / "deepspeed.sh"), *ARGS, f"output_dir={out}"], launch_env(**env))
 
     first = deepspeed_sh(LLMTRAIN_TEST_FAULT="rank=1,step=6,signal=TERM")
     assert_ok(first)
