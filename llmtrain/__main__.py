@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except CollectiveFailure as error:
         print(f"llmtrain: error on {error}", file=sys.stderr, flush=True)
-        return 4
+        sys.stdout.flush()
+        # no interpreter teardown: freeing the process group would wait on the stalled peer (parallel.py)
+        os._exit(4)
     return 0
 
 

@@ -21,7 +21,7 @@ import signal
 
 import torch
 
-from llmtrain.parallel import all_reduce_max
+from llmtrain.parallel import abandon_process_group, all_reduce_max
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ def collective_guard(*, rank: int, step: int, doing: str, timeout_s: int):
     except Exception as error:
         if isinstance(error, CollectiveFailure) or not _is_collective_error(error):
             raise
+        abandon_process_group()
         raise CollectiveFailure(
             f"rank {rank}: step {step}: a collective did not complete while {doing} (torch: {str(error).strip()}). "
             f"Another rank stalled, died or took another code path; its own log says which. A stall longer than "

@@ -157,11 +157,25 @@ def quiesce() -> None:
     time.sleep(0.1)
 
 
+_abandoned = False  # a collective failed: the process group is not torn down (see abandon_process_group)
+
+
+def abandon_process_group() -> None:
+    """After a failed or timed-out collective, leave the process group as it is: destroying it joins gloo's worker
+    thread, which may still be blocked on the stalled peer (measured: rank 0 then never exited, and torchrun
+    never learned it had failed). The process exits without it (llmtrain/__main__.py: os._exit)."""
+    global _abandoned
+    _abandoned = True
+
+
 def shutdown() -> None:
+    """Destroy the process group (not after a failed collective: see abandon_process_group). The success path
+    calls `quiesce` first (run.py); an error path does not: a rank that raised alone would wait there for peers
+    that are still in the training loop."""
     global _had_process_group
     if dist.is_initialized():
         _had_process_group = True
-        quiesce()
+    if dist.is_initialized() and not _abandoned:
         dist.destroy_process_group()
 
 

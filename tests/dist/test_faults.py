@@ -9,10 +9,13 @@ run of the same 12 steps (checkpoints every 5).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,9 +33,22 @@ def launch_env(**extra: str) -> dict:
     return cli_env(NPROC="2", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra)
 
 
+def run_group(cmd: list[str], env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a launcher in its own session; on a timeout kill the whole session (launcher and ranks: a stuck rank
+    must not outlive the test)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def torchrun_sh(out: Path, *extra: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), *ARGS, *extra, f"output_dir={out}"],
-                          env=launch_env(**env), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return run_group(["bash", str(REPO / "launch" / "torchrun.sh"), *ARGS, *extra, f"output_dir={out}"],
+                     launch_env(**env), timeout)
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -119,19 +135,29 @@ def test_a_stalled_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     timeout_s, shutdown_s = 15, 30
     proc = subprocess.Popen(["bash", str(REPO / "launch" / "torchrun.sh"), *ARGS, f"output_dir={tmp_path / 'run'}",
                              f"trainer.collective_timeout_s={timeout_s}"], cwd=REPO, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                             env=launch_env(MAX_RESTARTS="0",
                                            LLMTRAIN_TEST_FAULT="rank=1,step=3,signal=STOP"))
-    stderr, stalled_at = [], None
-    try:
+    stderr, stalled = [], []
+
+    def read() -> None:
         for line in proc.stderr:
             stderr.append(line)
             if "test fault: SIGSTOP" in line:
-                stalled_at = time.monotonic()
-        proc.wait(timeout=120)
+                stalled.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=180)
+        ended = time.monotonic()
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job did not end: " + "".join(stderr)[-3000:])
     finally:
-        proc.kill()
-    ended_after, text = time.monotonic() - stalled_at, "".join(stderr)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, also the stopped one
+    reader.join(timeout=10)
+    ended_after, text = ended - stalled[0], "".join(stderr)
     assert proc.returncode != 0
     assert "llmtrain: error on rank 0: step 3: a collective did not complete while agreeing whether to stop" in text
     assert f"trainer.collective_timeout_s={timeout_s} s" in text and "Timed out" in text
@@ -159,8 +185,7 @@ def test_deepspeed_launcher_trains_stops_on_sigterm_and_resumes_bitwise(straight
     out = tmp_path / "run"
 
     def deepspeed_sh(**env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(REPO / "launch" / "deepspeed.sh"), *ARGS, f"output_dir={out}"],
-                              env=launch_env(**env), capture_output=True, text=True, timeout=300, cwd=REPO)
+        return run_group(["bash", str(REPO / "launch" / "deepspeed.sh"), *ARGS, f"output_dir={out}"], launch_env(**env))
 
     first = deepspeed_sh(LLMTRAIN_TEST_FAULT="rank=1,step=6,signal=TERM")
     assert_ok(first)

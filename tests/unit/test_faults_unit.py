@@ -30,13 +30,17 @@ def test_agree_to_stop_without_a_process_group_is_the_local_flag():
     assert faults.agree_to_stop(stop, torch.device("cpu")) is True
 
 
-def test_collective_failure_names_rank_step_what_and_the_setting():
+def test_collective_failure_names_rank_step_what_and_the_setting(monkeypatch):
+    from llmtrain import parallel
+
+    monkeypatch.setattr(parallel, "_abandoned", False)  # restored after the test
     with pytest.raises(faults.CollectiveFailure) as raised:
         with faults.collective_guard(rank=1, step=7, doing="saving a checkpoint", timeout_s=30):
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv")
     text = str(raised.value)
     assert text.startswith("rank 1: step 7: a collective did not complete while saving a checkpoint (torch: [gloo")
     assert "trainer.collective_timeout_s=30 s" in text and "resume=auto" in text
+    assert parallel._abandoned  # shutdown() will not wait on the stalled peer
     with pytest.raises(ValueError, match="not a collective"):  # anything else passes through untouched
         with faults.collective_guard(rank=0, step=1, doing="x", timeout_s=1):
             raise ValueError("not a collective")
