@@ -54,11 +54,16 @@ class SavedTensorMeter:
         self.current, self._seen = 0, set()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "meta" and not _weight(tensor):
+        if tensor.device.type == "meta" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or _weight(tensor):
+            return tensor  # DTensors and other subclasses: their local tensors are saved and counted themselves
+        try:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self._seen:
-                self._seen.add(storage.data_ptr())
-                self.current += storage.nbytes()
+            pointer = storage.data_ptr()
+        except RuntimeError:  # a storage already freed (FSDP2 reshards the unsharded parameters it views)
+            return tensor
+        if pointer not in self._seen:
+            self._seen.add(pointer)
+            self.current += storage.nbytes()
         return tensor
 
     @contextlib.contextmanager
