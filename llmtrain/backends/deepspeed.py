@@ -31,6 +31,7 @@ import torch
 from llmtrain.backends.base import (OptimizerSpec, autocast_dtype, build_adamw, build_scheduler, generation_mode,
                                     has_frozen_params, param_groups, save_frozen, save_hf)
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
+from llmtrain.backends.deepspeed_ops import warn_stale_build_locks
 from llmtrain.config import ConfigError
 from llmtrain.models.lora import is_peft
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
@@ -444,6 +445,8 @@ class DeepSpeedBackend:
         self.ctx, self.precision = ctx, precision
         self.settings = DeepSpeedSettings.from_options(options or {})
         check_ops(self.settings)  # before the model loads
+        if ctx.local_rank == 0:
+            warn_stale_build_locks()  # init_distributed below loads an op (on CPU: the shm communicator)
         # DeepSpeed's comm layer wraps the process group llmtrain already started (zero.Init needs it).
         _import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
         self.dims = ParallelDims.build(1, -1, 1, ctx.world_size)  # = ParallelDims.from_backend

@@ -192,3 +192,21 @@ def test_storage_ledger_counts_each_storage_once():
     ledger.add("grads", "same storage again", {"x": [flat]})
     ledger.add("master", "meta", [torch.empty(10, device="meta")])
     assert ledger.bytes["params"] == 400 and ledger.bytes["grads"] == 0 and ledger.bytes["master"] == 0
+
+
+def test_a_stale_op_build_lock_is_named_and_a_fresh_one_is_not(tmp_path):
+    """A DeepSpeed op build killed half-way leaves `<op>/lock` and every later run waits on it forever: the
+    backend names such a lock (older than any build takes) before it loads an op; a build in progress is left be."""
+    import os
+    import time
+
+    from llmtrain.backends.deepspeed_ops import STALE_AFTER_S, stale_build_locks
+
+    killed = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    building = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (killed, building):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(killed, (old, old))
+    assert stale_build_locks(tmp_path) == [killed]
