@@ -65,3 +65,17 @@ def test_stored_without_outputs(notebook):
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
+
+
+def with_last_eval_edited(run_dir: Path, dest: Path, **changes) -> Path:
+    """A copy of a finished run (config, metrics, the export linked) whose last eval record has `changes`."""
+    import json
+
+    dest.mkdir()
+    (dest / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    (dest / "hf").symlink_to(run_dir / "hf")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last_eval = max(i for i, r in enumerate(records) if any(k.startswith("eval_") for k in r))
+    records[last_eval].update(changes)
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dest

@@ -1,5 +1,6 @@
 """notebooks/loss_inspection.ipynb executed with nbclient: on a fresh tiny run it passes its own checks and
-summarises the losses; on broken copies of that run's metrics.jsonl it fails (or flags what it should)."""
+summarises the losses; on broken copies of that run's metrics.jsonl it fails (or flags what it should); with a
+LoRA run of the same recipe it overlays both. cost.ipynb and sft_token_loss.ipynb read the same run."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import yaml
 from nbclient.exceptions import CellExecutionError
 
 from tests.conftest import REPO, assert_ok, read_metrics, run_cli
 from tests.e2e.notebooks import execute as run_notebook
 from tests.e2e.notebooks import kernel_name, printed, test_stored_without_outputs  # noqa: F401  (fixture, test)
+from tests.e2e.notebooks import with_last_eval_edited
 
 pytestmark = pytest.mark.e2e
 
@@ -25,6 +28,15 @@ def tiny_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("nb") / "run"
     result = run_cli(["recipe=sft_tiny", "trainer.max_steps=20", "trainer.eval_every_n_steps=10",
                       f"output_dir={run_dir}"])
+    assert_ok(result)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_run) -> Path:
+    run_dir = tiny_run.parent / "lora"
+    result = run_cli(["recipe=sft_tiny", "peft=lora", "optim.lr=1e-2", "trainer.max_steps=20",
+                      "trainer.eval_every_n_steps=10", f"output_dir={run_dir}"])
     assert_ok(result)
     return run_dir
 
@@ -61,7 +73,56 @@ def test_summarises_a_fresh_run(tiny_run, kernel_name, monkeypatch):
     except ImportError:
         assert not images and "tables instead of plots" in printed(nb)
     else:
-        assert len(images) == 1
+        assert len(images) == 2  # the curves; the overlay of one run
+
+
+def test_overlays_a_lora_run_by_step_and_by_tokens_seen(tiny_run, lora_run, kernel_name, monkeypatch):
+    """LLMTRAIN_COMPARE_RUN_DIRS adds runs: one row each (labelled with backend and peft), every evaluation placed
+    at the target tokens trained on before it (the sum of the train records' tokens up to its step)."""
+    monkeypatch.setenv("LLMTRAIN_COMPARE_RUN_DIRS", str(lora_run))
+    nb = execute(tiny_run, kernel_name, monkeypatch)
+    table = printed(nb, "overlay")
+    for run_dir, label in ((tiny_run, "run (ddp)"), (lora_run, "lora (ddp, lora)")):
+        train, evals = read_metrics(run_dir)
+        row = next(line for line in table.splitlines() if line.strip().startswith(label))
+        seen = {0: 0, **{r["step"]: sum(t["tokens"] for t in train if t["step"] <= r["step"]) for r in evals}}
+        points = " ".join(f"{seen[r['step']]}:{r['eval_loss']:.4f}" for r in evals)
+        assert row.rstrip().endswith(points), (row, points)
+        assert f" {sum(t['tokens'] for t in train)} " in row, row
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tiny_run / "loss_overlay.png").stat().st_size > 0
+
+
+def test_sft_token_loss_recomputes_the_runs_eval_loss(tiny_run, kernel_name, monkeypatch):
+    """sft_token_loss.ipynb rescores every held-out sample with the export: the token-weighted loss is the run's
+    last eval loss (which it asserts), samples are listed worst first, and every sample is written coloured."""
+    _, evals = read_metrics(tiny_run)
+    nb = run_notebook(REPO / "notebooks" / "sft_token_loss.ipynb", tiny_run, kernel_name, monkeypatch)
+    text = printed(nb)
+    assert (f"matches the run: eval_loss {evals[-1]['eval_loss']:.6f} over {evals[-1]['eval_tokens']} target tokens "
+            f"at step 20") in text, text
+    summary = " ".join(printed(nb, "summary").split())
+    assert f"token-weighted loss {evals[-1]['eval_loss']:.4f}" in summary, summary
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["sample", "mean_loss"])
+    worst = [float(line.split()[1]) for line in lines[header + 1:header + 9]]
+    assert worst == sorted(worst, reverse=True), worst
+    eval_file = yaml.safe_load((tiny_run / "config.yaml").read_text())["data"]["eval_files"][0]
+    samples = len(Path(eval_file).read_text().splitlines())
+    assert f"{samples} held-out samples" in text
+    assert (tiny_run / "token_loss.html").read_text().count("<b>sample ") == samples
+
+
+def test_sft_token_loss_fails_when_the_export_is_not_what_the_run_evaluated(tiny_run, kernel_name, monkeypatch,
+                                                                          tmp_path):
+    broken = with_last_eval_edited(tiny_run, tmp_path / "drifted", eval_loss=read_metrics(tiny_run)[1][-1]["eval_loss"]
+                                   + 0.01)
+    with pytest.raises(CellExecutionError) as error:
+        run_notebook(REPO / "notebooks" / "sft_token_loss.ipynb", broken, kernel_name, monkeypatch)
+    assert error.value.ename == "AssertionError" and "!= the run's eval_loss" in error.value.evalue
 
 
 def _drop_step_7(train):

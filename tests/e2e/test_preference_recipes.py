@@ -1,5 +1,6 @@
 """`recipe=rm_tiny` and `recipe=dpo_tiny` as a user runs them (their base, `${base:sft_tiny}`, is built once into
-the test cache): the thresholds the README states, the reward model's export, DPO's policy after training."""
+the test cache): the thresholds the README states, the reward model's export, DPO's policy after training, and
+notebooks/preference_dashboard.ipynb on both runs."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import math
 import pytest
 import torch
 import yaml
+from nbclient.exceptions import CellExecutionError
 
 from tests.conftest import REPO, read_metrics, run_recipe
+from tests.e2e.notebooks import execute as run_notebook
+from tests.e2e.notebooks import kernel_name, printed, with_last_eval_edited  # noqa: F401  (kernel_name: a fixture)
 
 pytestmark = pytest.mark.e2e
+
+NOTEBOOK = REPO / "notebooks" / "preference_dashboard.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +92,36 @@ def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
     before, after = greedy_exact_match(base, rows), greedy_exact_match(dpo_run / "hf", rows)
     print(f"greedy exact match on the 256 held-out reversals: {before:.3f} (sft_tiny) -> {after:.3f} (dpo_tiny)")
     assert after >= before - 0.1, (before, after)
+
+
+@pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny"])
+def test_preference_dashboard_rescores_every_held_out_pair(recipe, rm_run, dpo_run, kernel_name, monkeypatch):
+    """notebooks/preference_dashboard.ipynb on each run: the exported model scores every held-out pair again (the
+    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base) and the accuracy and mean margin
+    it prints (and asserts) are the run's last evaluation; accuracy and margin by kind of pair; a figure file."""
+    run_dir = {"rm_tiny": rm_run, "dpo_tiny": dpo_run}[recipe]
+    last = read_metrics(run_dir)[1][-1]
+    accuracy, margin = (("eval_accuracy", "eval_margin") if recipe == "rm_tiny" else
+                        ("eval_reward_accuracy", "eval_reward_margin"))
+    nb = run_notebook(NOTEBOOK, run_dir, kernel_name, monkeypatch)
+    text = printed(nb)
+    assert (f"matches the run's evaluation at step {last['step']}: accuracy {last[accuracy]:.4f}, "
+            f"mean margin {last[margin]:.4f}") in text, text
+    summary = " ".join(printed(nb, "summary").split())
+    assert f"{last['eval_pairs']} held-out pairs" in summary, summary
+    if recipe == "rm_tiny":
+        assert f"hard: 256 pairs, accuracy {last['eval_accuracy_hard']:.4f}" in summary, summary
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (run_dir / "preference_dashboard.png").stat().st_size > 0
+
+
+def test_preference_dashboard_fails_when_the_export_is_not_what_the_run_evaluated(dpo_run, kernel_name, monkeypatch,
+                                                                                  tmp_path):
+    last = read_metrics(dpo_run)[1][-1]
+    broken = with_last_eval_edited(dpo_run, tmp_path / "drifted", eval_reward_accuracy=last["eval_reward_accuracy"] / 2)
+    with pytest.raises(CellExecutionError) as error:
+        run_notebook(NOTEBOOK, broken, kernel_name, monkeypatch)
+    assert error.value.ename == "AssertionError" and "recomputed accuracy" in error.value.evalue
