@@ -26,19 +26,25 @@ from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
+from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
+from llmtrain.stages import SCALAR_HEAD_ROLES
 
 COMPARED = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_tp")
 USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets, fragmentation take the rest
 
 
-def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False) -> RoleParams:
+def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False,
+                scalar_head: bool = False) -> RoleParams:
     """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen; a view
-    (LoRA's reference: the policy with adapters disabled) holds nothing of its own.
+    (LoRA's reference: the policy with adapters disabled) holds nothing of its own; a scalar head (reward model,
+    critic) replaces an untied LM head with a (1, hidden) score.
     The numbers only: metrics/cost.py takes any (trainable, frozen) pair, so a LoRA counter elsewhere plugs in."""
-    t, f = (lora, facts.params) if trainable and lora else (facts.params, 0) if trainable else (0, facts.params)
+    params = facts.params - facts.head + facts.hidden if scalar_head else facts.params
+    t, f = (lora, params) if trainable and lora else (params, 0) if trainable else (0, params)
     if view:
         t, f = 0, 0
-    persistent = sum(n for n in facts.numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
+    numels = [*facts.numels, facts.hidden] if scalar_head else facts.numels  # the LM head is never persistent
+    persistent = sum(n for n in numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
     root = facts.params - facts.layers * facts.block  # embeddings, final norm, head: FSDP2's root group
     working = 2 * facts.block + (root if layout.library == "fsdp2" else max(facts.embed, facts.head))
     regathered = None  # ZeRO-3 (a block's few persistent norm weights counted in: < 0.01 % of a 7B block)
@@ -100,6 +106,7 @@ class Setting:
     scores: bool  # eager attention stores the (b, a, s, s) scores
     mfu: float
     logits_vocab: int  # V, or 1 for a reward model's score
+    rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
 
 
 @dataclass
@@ -141,19 +148,20 @@ def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 <
 
 def plan_row(st: Setting, layout: Layout) -> Row:
     f, on_gpu = st.facts, st.gpu.name != "cpu"
-    states = {role: state_bytes(role_params(f, layout, trainable, st.lora, role in st.views), layout, st.precision,
-                                st.accum, on_gpu)
+    params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in SCALAR_HEAD_ROLES), trainable)
               for role, trainable in st.roles.items()}
+    states = {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
     fixed = sum(s.device for s in states.values())
     act, logit = _per_micro(st, layout, st.micro)
     usable = st.gpu.memory_gib * GIB * USABLE
     device = fixed + act + logit
     tokens = st.micro * st.seq * st.rows_per_sample
-    comm = [c for role, trainable in st.roles.items()
-            for c in communication(role_params(f, layout, trainable, st.lora, role in st.views), layout, st.precision,
-                                   accum=st.accum,
-                                   tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers,
-                                   checkpointing=st.checkpointing, on_gpu=on_gpu)]
+    shape = dict(tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers, checkpointing=st.checkpointing,
+                 on_gpu=on_gpu)
+    if st.rl is not None:
+        comm = rl_communication(params, layout, st.precision, st.rl.schedule(layout.dp), **shape)
+    else:
+        comm = [c for p, _ in params.values() for c in communication(p, layout, st.precision, accum=st.accum, **shape)]
     times = None
     if st.gpu.peak_tflops:
         model, hardware = step_flops(st, layout)
@@ -171,11 +179,16 @@ def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
     """(model, hardware) FLOPs of one optimizer step over all ranks: 6·M + 12·L·h·s per token per trainable
     role, 2·M + 4·L·h·s per frozen one (forward only); checkpointing adds one forward of the blocks to hardware."""
     f = st.facts
-    tokens = st.micro * st.accum * layout.dp * st.seq * st.rows_per_sample
-    train = training_flops_per_token(f.params, f.layers, f.hidden, st.seq)
     trainable = sum(st.roles.values())
-    model = tokens * (trainable * train + (len(st.roles) - trainable) * train / 3)
-    recompute = tokens * trainable * (2 * f.layers * f.block + 4 * f.layers * f.hidden * st.seq)
+    if st.rl is not None:  # an iteration: generation, experience forwards, epochs of updates (plan_rl.rl_flops)
+        model = rl_flops(st.rl, st.roles, f.params, f.layers, f.hidden, st.seq)
+        trained_tokens = st.rl.epochs * st.rl.samples * st.seq
+    else:
+        tokens = st.micro * st.accum * layout.dp * st.seq * st.rows_per_sample
+        train = training_flops_per_token(f.params, f.layers, f.hidden, st.seq)
+        model = tokens * (trainable * train + (len(st.roles) - trainable) * train / 3)
+        trained_tokens = tokens
+    recompute = trained_tokens * trainable * (2 * f.layers * f.block + 4 * f.layers * f.hidden * st.seq)
     return model, model + (recompute if st.checkpointing else 0.0)
 
 
@@ -190,7 +203,7 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
                    accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
                    rows_per_sample=2 if cfg.stage.name in PAIR_STAGES else 1,
                    checkpointing=cfg.model.activation_checkpointing, scores=attn == "eager", mfu=cfg.plan.mfu,
-                   logits_vocab=1 if cfg.stage.name == "reward" else facts.vocab)
+                   logits_vocab=1 if cfg.stage.name == "reward" else facts.vocab, rl=RLIteration.from_config(cfg))
 
 
 def _size(value: float) -> str:
@@ -324,6 +337,11 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
              f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states; "
              "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
+    if st.rl is not None:
+        schedule = st.rl.schedule(rows[0].layout.dp)
+        lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
+                     f"forwards, then {schedule.updates} optimizer steps of each trainable role (comm and step s "
+                     f"count all of it; the rollout's own gathers, a few KB, are left out)")
     lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
               "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]
     if len(st.roles) > 1 or not cfg.plan.compare_backends:

@@ -26,6 +26,9 @@ ROLES = {"pretrain": {"policy": True}, "sft": {"policy": True}, "reward": {"rewa
          "ppo": {"actor": True, "critic": True, "reference": False, "reward": False},
          "grpo": {"actor": True, "reference": False}}
 
+# roles whose model ends in a scalar head (hidden -> 1) rather than the LM head, in every stage that has them
+SCALAR_HEAD_ROLES = frozenset({"reward", "critic"})
+
 
 def stage_roles(name: str, cfg=None) -> dict[str, bool]:
     """{role: trainable}; with the config, PPO's roles as this run builds them (stages/ppo/build.ppo_roles)."""

@@ -85,6 +85,22 @@ def test_first_ratio_of_every_iteration_is_exactly_one(runs, stage, backend):
     assert train[0]["kl"] == 0.0  # the reference is the initial actor
 
 
+@pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "zero3")])
+def test_counted_communication_of_an_iteration_matches_the_plan(runs, stage, backend):
+    """The planner's iteration (llmtrain/plan_rl.py: the actor gathered for generation, every role's experience
+    forward, epochs × mini-batches of actor and critic updates) against the collectives counted on each rank in
+    iteration 2: every kind of weight traffic within 5 % (payload and ring wire bytes)."""
+    second = read_metrics(runs.get(stage, backend))[0][1]
+    assert second["step"] == 2
+    kinds = [k[len("plan_comm_"):] for k in second if k.startswith("plan_comm_") and k.count("_") > 3]
+    assert kinds, sorted(second)
+    for kind in kinds:
+        planned = second[f"plan_comm_{kind}"]
+        for rank in range(2):
+            counted = second[f"comm_r{rank}_{kind}"]
+            assert abs(counted / planned - 1) <= 0.05, f"rank {rank} {kind}: counted {counted:.0f}, planned {planned:.0f}"
+
+
 @pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "zero2")])
 def test_bitwise_resume(runs, stage, backend):
     """4 iterations straight vs the iteration-2 checkpoint resumed in fresh processes: identical rollouts, scores,
