@@ -193,3 +193,28 @@ def test_the_command_runs_in_seconds_without_weights():
     bad = subprocess.run([sys.executable, "-m", "llmtrain.plan", "recipe=sft_tiny", "plan.gpu=nope"], cwd=REPO,
                          env=cli_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "plan.gpu='nope'" in bad.stderr
+
+
+def test_a_ppo_iteration_by_hand():
+    """ppo_tiny's shape on dp 2: 64 sequences, mini-batches of 16, 2 epochs, micro 16 -> 8 updates of 1 micro-batch
+    each, 2 experience micro-batches; DDP sends the actor's and critic's gradients once per update and nothing for
+    the experience; on-policy GRPO (1 epoch, 1 mini-batch, KL as a loss) skips the actor's experience forward."""
+    from llmtrain.metrics.cost import Layout, RoleParams
+    from llmtrain.plan_rl import RLIteration, rl_communication
+
+    it = RLIteration(samples=64, mini_batch=16, epochs=2, micro=16, new_tokens=16, on_policy=False)
+    schedule = it.schedule(dp=2)
+    assert (schedule.updates, schedule.update_micro, schedule.experience_micro) == (8, 1, 2)
+    ddp = Layout(name="ddp", library="ddp", stage=0, dp=2, tp=1)
+    roles = {"actor": (RoleParams(trainable=100), True), "critic": (RoleParams(trainable=90), True),
+             "reference": (RoleParams(trainable=0, frozen=100), False)}
+    shape = dict(tokens_per_micro=16 * 32, hidden=8, layers=2, checkpointing=False, on_gpu=False)
+    sent = [(c.what, c.payload * c.times) for c in rl_communication(roles, ddp, "fp32", schedule, **shape) if c.payload]
+    assert sent == [("actor update: gradients", 8 * 4 * 100), ("critic update: gradients", 8 * 4 * 90)]
+
+    zero3 = Layout(name="zero3", library="deepspeed", stage=3, dp=2, tp=1)
+    on_policy = RLIteration(samples=8, mini_batch=8, epochs=1, micro=4, new_tokens=8, on_policy=True).schedule(dp=2)
+    grpo = {"actor": roles["actor"], "reference": roles["reference"]}
+    whats = [c.what for c in rl_communication(grpo, zero3, "fp32", on_policy, **shape)]
+    assert "actor experience: weights, forward" not in whats and "reference experience: weights, forward" in whats
+    assert whats.count("actor generation: weights") == 1 and "actor update: weights, backward" in whats
