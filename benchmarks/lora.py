@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
+import report  # noqa: E402
 
 DATA_FILE = C.REPO / "llmtrain" / "assets" / "data" / "reverse_train.jsonl"
 ROWS, MAX_LEN = 32, 64  # lora_sft_tiny: trainer.micro_batch_size 32, data.max_seq_len 64 (here: packed rows)
@@ -247,28 +248,20 @@ def memory_of(result: dict) -> dict:
 
 
 def summarise(runs: list[dict]) -> dict:
-    by_name = defaultdict(list)
-    for run in runs:
-        by_name[run["contender"]].append(run)
-    summary = {}
-    for name, rs in by_name.items():
-        ok = [r for r in rs if "tokens_per_s" in r["result"]]
-        if not ok:
-            summary[name] = {"error": rs[0].get("error", "failed")}
-            continue
-        spread = lambda values: _spread(values)  # noqa: E731
-        summary[name] = {k: spread([r["result"][k] for r in ok]) for k in
-                         ("tokens_per_s", "tokens_per_cpu_s", "target_tokens_per_step", "median_step_s")}
-        summary[name].update(peak_rss_mb=spread([r["peak_rss_mb"] for r in ok]),
-                             others_load_cores=spread([r["foreign_load_cores"] for r in ok]),
-                             per_round={r["round"]: {"tokens_per_s": r["result"]["tokens_per_s"],
-                                                     "tokens_per_cpu_s": r["result"]["tokens_per_cpu_s"],
-                                                     "others_load_cores": r["foreign_load_cores"]} for r in ok},
-                             memory=memory_of(ok[0]["result"]), failed_runs=len(rs) - len(ok),
-                             first_losses=ok[0]["result"].get("losses", [])[:3])
-        grads = summary[name]["memory"].get("grads")  # llmtrain: fp32 gradients of exactly the trainable parameters
-        summary[name]["trainable_parameters"] = ok[0]["result"].get("trainable_parameters",
-                                                                    int(grads // 4) if grads else None)
+    def one(ok: list[dict]) -> dict:
+        out = {k: report.spread([r["result"][k] for r in ok]) for k in
+               ("tokens_per_s", "tokens_per_cpu_s", "target_tokens_per_step", "median_step_s")}
+        out.update(peak_rss_mb=report.spread([r["peak_rss_mb"] for r in ok]),
+                   others_load_cores=report.spread([r["foreign_load_cores"] for r in ok]),
+                   per_round={r["round"]: {"tokens_per_s": r["result"]["tokens_per_s"],
+                                           "tokens_per_cpu_s": r["result"]["tokens_per_cpu_s"],
+                                           "others_load_cores": r["foreign_load_cores"]} for r in ok},
+                   memory=memory_of(ok[0]["result"]), first_losses=ok[0]["result"].get("losses", [])[:3])
+        grads = out["memory"].get("grads")  # llmtrain: fp32 gradients of exactly the trainable parameters
+        out["trainable_parameters"] = ok[0]["result"].get("trainable_parameters", int(grads // 4) if grads else None)
+        return out
+
+    summary = report.per_contender(runs, "tokens_per_s", one)
     ratios = {}
     for ours, theirs in (LORA_TRL, LORA_FULL):
         a, b = summary.get(ours, {}), summary.get(theirs, {})
@@ -291,10 +284,6 @@ def summarise(runs: list[dict]) -> dict:
 def _total(memory: dict) -> float | None:
     values = [memory.get(k) for k in MEMORY_KEYS]
     return None if any(v is None for v in values) else sum(values)
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 COLUMNS = ("contender", "target tok/s (median):", "min–max:", "target tok/CPU-s:", "target tok/step:",

@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
+import report  # noqa: E402
 
 PROMPTS_FILE = C.REPO / "llmtrain" / "assets" / "data" / "reverse_train.jsonl"
 PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, MICRO = 8, 4, 16, 16  # grpo_tiny's rollout; one optimizer step per iteration
@@ -220,32 +221,23 @@ SPLIT = ("time_rollout_s", "time_experience_s", "time_update_s")
 def summarise(runs: list[dict]) -> dict:
     """Per contender: medians over rounds of steps/s, generated tokens/s (wall and CPU), the time split; the
     llmtrain/TRL ratios by the median, the best round and per CPU-second."""
-    by_name = defaultdict(list)
-    for run in runs:
-        by_name[run["contender"]].append(run)
-    summary = {}
-    for name, rs in by_name.items():
-        ok = [r for r in rs if "steps_per_s" in r["result"]]
-        if not ok:
-            summary[name] = {"error": rs[0].get("error", "failed")}
-            continue
-        spread = lambda key: _spread([r["result"][key] for r in ok])  # noqa: E731
-        summary[name] = {k: spread(k) for k in ("steps_per_s", "generated_tokens_per_s", "generated_tokens_per_cpu_s",
-                                                "generated_tokens_per_step", "median_step_s")}
-        summary[name].update({k: _spread([r["result"]["split"][k] for r in ok]) for k in SPLIT})
-        summary[name].update(peak_rss_mb=_spread([r["peak_rss_mb"] for r in ok]),
-                             others_load_cores=_spread([r["foreign_load_cores"] for r in ok]), failed_runs=len(rs) - len(ok),
-                             first_scores=ok[0]["result"].get("scores", [])[:4])
+    def one(ok: list[dict]) -> dict:
+        out = {k: report.spread([r["result"][k] for r in ok]) for k in
+               ("steps_per_s", "generated_tokens_per_s", "generated_tokens_per_cpu_s", "generated_tokens_per_step",
+                "median_step_s")}
+        out.update({k: report.spread([r["result"]["split"][k] for r in ok]) for k in SPLIT})
+        out.update(peak_rss_mb=report.spread([r["peak_rss_mb"] for r in ok]),
+                   others_load_cores=report.spread([r["foreign_load_cores"] for r in ok]),
+                   first_scores=ok[0]["result"].get("scores", [])[:4])
+        return out
+
+    summary = report.per_contender(runs, "steps_per_s", one)
     ours, theirs = (summary.get(n, {}) for n in GRPO_TRL)
     if "steps_per_s" in ours and "steps_per_s" in theirs:
         summary["_ratios"] = {key: {"median": ours[key]["median"] / theirs[key]["median"],
                                     "best round": ours[key]["max"] / theirs[key]["max"]}
                               for key in ("steps_per_s", "generated_tokens_per_s", "generated_tokens_per_cpu_s")}
     return summary
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 COLUMNS = ("contender", "steps/s (median):", "min–max:", "generated tok/s:", "gen tok/CPU-s:", "gen tok/step:",

@@ -12,35 +12,41 @@ TARGETS = {"unpacked_vs_plain": 0.97, "packed_vs_trl_default": 1.3, "packed_vs_b
 TRL_PACKING = ("TRL padding_free", "TRL packing bfd", "TRL packing wrapped")
 
 
-def _spread(values: list[float]) -> dict:
+def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarise_runs(runs: list[dict]) -> dict:
-    """Per contender: medians and spread over rounds; losses, target tokens per step and the packing check
-    from its round-0 run."""
+def per_contender(runs: list[dict], done_key: str, summarise_one) -> dict:
+    """{contender: summarise_one(its rounds whose result has `done_key`) + failed_runs}, or the first round's error
+    for a contender with no such round."""
     by_name = defaultdict(list)
     for run in runs:
         by_name[run["contender"]].append(run)
     summary = {}
     for name, rs in by_name.items():
-        ok = [r for r in rs if "tokens_per_s" in r["result"]]
-        if not ok:
-            summary[name] = {"error": rs[0].get("error", "failed")}
-            continue
+        ok = [r for r in rs if done_key in r["result"]]
+        summary[name] = ({**summarise_one(ok), "failed_runs": len(rs) - len(ok)} if ok
+                         else {"error": rs[0].get("error", "failed")})
+    return summary
+
+
+def summarise_runs(runs: list[dict]) -> dict:
+    """Per contender: medians and spread over rounds; losses, target tokens per step and the packing check
+    from its round-0 run."""
+    def one(ok: list[dict]) -> dict:
         first = next((r["result"] for r in ok if r["round"] == 0), ok[0]["result"])
-        summary[name] = {
-            "tokens_per_s": _spread([r["result"]["tokens_per_s"] for r in ok]),
-            "tokens_per_cpu_s": _spread([r["result"]["tokens_per_cpu_s"] for r in ok]),
-            "peak_rss_mb": _spread([r["peak_rss_mb"] for r in ok]),
+        return {
+            "tokens_per_s": spread([r["result"]["tokens_per_s"] for r in ok]),
+            "tokens_per_cpu_s": spread([r["result"]["tokens_per_cpu_s"] for r in ok]),
+            "peak_rss_mb": spread([r["peak_rss_mb"] for r in ok]),
             "target_tokens_per_step": first["target_tokens_per_step"],
             "first_loss": first.get("first_loss"), "last_loss": first.get("last_loss"),
             "isolation": first.get("isolation"),
             "self_reported_tokens_per_s": first.get("self_reported_tokens_per_s_median"),
             "llmtrain_file": first.get("llmtrain_file"),
-            "others_load_cores": statistics.mean(r["foreign_load_cores"] for r in ok),
-            "failed_runs": len(rs) - len(ok)}
-    return summary
+            "others_load_cores": statistics.mean(r["foreign_load_cores"] for r in ok)}
+
+    return per_contender(runs, "tokens_per_s", one)
 
 
 def summarise_cpu(runs: list[dict]) -> dict:
@@ -166,8 +172,8 @@ def summarise_backends(runs: list[dict], m: int, n: int, counted_step_tokens: in
         entry["formula_comm_bytes"], entry["formula_comm"] = formula_comm_bytes(name, m, tokens_per_rank)
     for entry in summary.values():
         if "tokens_per_s" in entry:
-            entry["tokens_per_s"] = _spread(entry["tokens_per_s"])
-            entry["tokens_per_cpu_s"] = _spread(entry["tokens_per_cpu_s"])
+            entry["tokens_per_s"] = spread(entry["tokens_per_s"])
+            entry["tokens_per_cpu_s"] = spread(entry["tokens_per_cpu_s"])
     return summary
 
 
@@ -330,24 +336,18 @@ PAIR_TARGETS = {"reward model": ("llmtrain reward", "TRL RewardTrainer", 1.3),
 def summarise_preference(runs: list[dict]) -> dict:
     """Per contender: medians and spread over rounds of pairs/s, pairs/CPU-s, peak RSS; losses from round 0;
     then llmtrain / TRL on three estimators (median, best round, median per CPU-second) against the goals."""
-    by_name = defaultdict(list)
-    for run in runs:
-        by_name[run["contender"]].append(run)
-    summary = {}
-    for name, rs in by_name.items():
-        ok = [r for r in rs if "pairs_per_s" in r["result"]]
-        if not ok:
-            summary[name] = {"error": rs[0].get("error", "failed")}
-            continue
+    def one(ok: list[dict]) -> dict:
         first = next((r["result"] for r in ok if r["round"] == 0), ok[0]["result"])
-        summary[name] = {
-            "pairs_per_s": _spread([r["result"]["pairs_per_s"] for r in ok]),
-            "pairs_per_cpu_s": _spread([r["result"]["pairs_per_cpu_s"] for r in ok]),
-            "peak_rss_mb": _spread([r["peak_rss_mb"] for r in ok]),
-            "median_step_s": _spread([r["result"]["median_step_s"] for r in ok]),
+        return {
+            "pairs_per_s": spread([r["result"]["pairs_per_s"] for r in ok]),
+            "pairs_per_cpu_s": spread([r["result"]["pairs_per_cpu_s"] for r in ok]),
+            "peak_rss_mb": spread([r["peak_rss_mb"] for r in ok]),
+            "median_step_s": spread([r["result"]["median_step_s"] for r in ok]),
             "pairs_per_step": first["pairs_per_step"], "first_loss": first.get("first_loss"),
             "last_loss": first.get("last_loss"), "losses": first.get("losses"), "pooling": first.get("pooling"),
-            "others_load_cores": _spread([r["foreign_load_cores"] for r in ok]), "failed_runs": len(rs) - len(ok)}
+            "others_load_cores": spread([r["foreign_load_cores"] for r in ok])}
+
+    summary = per_contender(runs, "pairs_per_s", one)
     goals = {}
     for label, (ours, theirs, goal) in PAIR_TARGETS.items():
         a, b = summary.get(ours, {}), summary.get(theirs, {})
