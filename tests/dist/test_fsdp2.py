@@ -31,6 +31,7 @@ import pytest
 from tests.conftest import (PYTHON, REPO, TOKENIZER_DIR, assert_ok, assert_stopped_nonfinite, cli_env, read_metrics,
                             run_cli, save_tiny_model)
 from tests.dist.live_cost import assert_live_cost_matches_the_plan
+from tests.dist.test_ddp import assert_close_series
 
 pytestmark = pytest.mark.dist
 
@@ -85,13 +86,6 @@ class Runs:
 def runs(tiny_model_dir, tmp_path_factory) -> Runs:
     qwen2 = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), model_type="qwen2")
     return Runs(tmp_path_factory.mktemp("fsdp2_runs"), {"llama": tiny_model_dir, "qwen2": qwen2})
-
-
-def assert_close_series(ours, reference, key, first_rel, rel):
-    assert len(ours) == len(reference)
-    for i, (a, b) in enumerate(zip(ours, reference)):
-        tolerance = first_rel if i == 0 else rel
-        assert abs(a[key] - b[key]) <= tolerance * abs(b[key]), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
 
 
 @pytest.mark.parametrize("model,name", PARITY)

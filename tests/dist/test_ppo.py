@@ -16,6 +16,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+from tests.dist.test_ddp import assert_close_series
 
 pytestmark = pytest.mark.dist
 
@@ -28,14 +29,6 @@ STAGES = {"ppo": ["recipe=ppo_tiny", "ppo.rollout.prompts_per_step=8", "ppo.kl.t
           "grpo": ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=2", "ppo.rollout.n_samples_per_prompt=4"]}
 BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
 COMPARED = ("score", "reward", "kl", "policy_loss", "grad_norm", "approx_kl", "entropy")
-
-
-def assert_close_series(ours: list[dict], reference: list[dict], key: str, rel: float, atol: float = 1e-6) -> None:
-    """Per step |a − b| ≤ rel·|b| + atol: KL and approx_kl are small differences of log-probs (near-cancelling
-    sums), so an absolute floor next to the relative bound."""
-    assert len(ours) == len(reference)
-    for i, (a, b) in enumerate(zip(ours, reference)):
-        assert abs(a[key] - b[key]) <= rel * abs(b[key]) + atol, f"step {i + 1} {key}: {a[key]} vs {b[key]}"
 
 
 class Runs:
@@ -66,7 +59,7 @@ def test_ppo_update_parity_with_ddp(runs, backend):
     ours, reference = read_metrics(runs.get("ppo", backend))[0], read_metrics(runs.get("ppo", "ddp"))[0]
     assert [r["samples"] for r in ours] == [8] * 4
     for key in (*COMPARED, "value_loss"):
-        assert_close_series(ours, reference, key, rel=1e-4)
+        assert_close_series(ours, reference, key, 1e-4, 1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["zero3", "fsdp2"])
@@ -74,7 +67,7 @@ def test_grpo_update_parity_with_ddp(runs, backend):
     ours, reference = read_metrics(runs.get("grpo", backend))[0], read_metrics(runs.get("grpo", "ddp"))[0]
     assert [r["samples"] for r in ours] == [8] * 4
     for key in (*COMPARED, "kl_loss"):
-        assert_close_series(ours, reference, key, rel=1e-4)
+        assert_close_series(ours, reference, key, 1e-4, 1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "ddp")])
