@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from llmtrain.backends.base import (OptimizerSpec, autocast_dtype, build_adamw, build_scheduler, generation_mode,
-                                    has_frozen_params, param_groups, save_frozen, save_hf)
+                                    has_frozen_params, save_frozen, save_hf)
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
-from llmtrain.backends.deepspeed_ops import warn_stale_build_locks
+from llmtrain.backends.deepspeed_ops import import_deepspeed, build_offload_adam, check_ops, warn_stale_build_locks
 from llmtrain.config import ConfigError
 from llmtrain.models.lora import is_peft
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
@@ -59,54 +59,10 @@ DS_ROLES = (
 )
 
 
-def _import_deepspeed():
-    try:
-        import deepspeed
-    except ImportError as error:  # pragma: no cover
-        raise ConfigError("backend.name=deepspeed needs DeepSpeed: pip install 'llmtrain[deepspeed]'") from error
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO dump of every config key
-    return deepspeed
-
-
-def check_ops(settings: DeepSpeedSettings) -> None:
-    """NVMe offload needs DeepSpeed's async_io op (libaio): fail before the model loads if it cannot build."""
-    if "nvme" not in (settings.offload_optimizer.device, settings.offload_param.device):
-        return
-    _import_deepspeed()
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    builder = AsyncIOBuilder()
-    reason = None
-    if not builder.is_compatible(verbose=False):
-        reason = "libaio was not found (Debian/Ubuntu: apt-get install libaio-dev)"
-    else:
-        try:
-            builder.load(verbose=False)
-        except Exception as error:  # noqa: BLE001 - any build failure is reported as such
-            reason = f"building it failed: {error}"
-    if reason:
-        raise ConfigError(f"backend.offload_*.device=nvme needs DeepSpeed's async_io op, which cannot build here: "
-                          f"{reason}. Install libaio-dev, or use device=cpu")
-
-
-def build_offload_adam(model: torch.nn.Module, spec: OptimizerSpec):
-    """(optimizer, note): DeepSpeedCPUAdam over our AdamW groups, or torch AdamW when its op cannot build."""
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        optimizer = DeepSpeedCPUAdam(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas,
-                                     eps=spec.eps, adamw_mode=True, bias_correction=True)
-        return optimizer, "DeepSpeedCPUAdam"
-    except Exception as error:  # noqa: BLE001 - the op build can fail in many ways (no compiler, no headers)
-        log.warning("optimizer offload: DeepSpeed's cpu_adam op cannot build here (%s); FALLBACK: torch.optim.AdamW "
-                    "runs on the host instead (same maths, slower); zero_force_ds_cpu_optimizer=false", error)
-        return build_adamw(model, spec), "torch.optim.AdamW (fallback: cpu_adam op did not build)"
-
-
 class DeepSpeedEngine:
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
                  settings: DeepSpeedSettings, ds_config: dict):
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
         self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None  # ParallelDims(1, world, 1)
         self.stage = settings.zero_stage
@@ -402,7 +358,7 @@ class DeepSpeedEngine:
         are DeepSpeed's fp32 masters (`safe_get_full_fp32_param`: ZeRO-1/2 and BF16_Optimizer all-reduce the
         partitions, ZeRO-3 all-gathers them; ZeRO-0 keeps whole fp32 copies); a frozen engine (no optimizer)
         or a frozen parameter has no master: what the module holds (bf16 under bf16)."""
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         zero0 = self._zero0_masters() if self.optimizer is not None and self.stage == 0 else {}
         state = {}
         for name, param in self.model.named_parameters():
@@ -448,7 +404,7 @@ class DeepSpeedBackend:
         if ctx.local_rank == 0:
             warn_stale_build_locks()  # init_distributed below loads an op (on CPU: the shm communicator)
         # DeepSpeed's comm layer wraps the process group llmtrain already started (zero.Init needs it).
-        _import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
+        import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
         self.dims = ParallelDims.build(1, -1, 1, ctx.world_size)  # = ParallelDims.from_backend
 
     def ds_config(self, max_grad_norm: float, model: torch.nn.Module | None = None) -> dict:
@@ -476,7 +432,7 @@ class DeepSpeedBackend:
         if self.settings.zero_stage != 3:
             yield
             return
-        _import_deepspeed()
+        import_deepspeed()
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -491,7 +447,7 @@ class DeepSpeedBackend:
         """ZeRO-3: the parameters whole on every rank while they are written; rank 0's values are kept."""
         if self.settings.zero_stage != 3 or not any(hasattr(p, "ds_id") for p in params):
             return contextlib.nullcontext()
-        return _import_deepspeed().zero.GatheredParameters(params, modifier_rank=0)
+        return import_deepspeed().zero.GatheredParameters(params, modifier_rank=0)
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DeepSpeedEngine:
         config = self.ds_config(max_grad_norm=optim.max_grad_norm if optim is not None else 0.0, model=model)

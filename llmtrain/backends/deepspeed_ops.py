@@ -1,4 +1,5 @@
-"""DeepSpeed's just-in-time ops (torch cpp extensions): name stale build locks, and build the ops ahead of a launch.
+"""DeepSpeed's just-in-time ops (torch cpp extensions): the ones a run needs (checked before the model loads, or a
+fallback), stale build locks named, and the ops built ahead of a launch.
 
 Every rank of a DeepSpeed run loads its ops (on CPU: the shared-memory communicator at init, cpu_adam for
 optimizer offload, async_io for NVMe). The first load compiles under a lock file in the extensions directory; a
@@ -14,6 +15,12 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import torch
+
+from llmtrain.backends.base import OptimizerSpec, build_adamw, param_groups
+from llmtrain.backends.deepspeed_config import DeepSpeedSettings
+from llmtrain.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,50 @@ def prebuild(names: tuple[str, ...] | None = None) -> dict[str, str]:
         except Exception as error:  # noqa: BLE001 - a build fails in many ways; the run reports it when it needs it
             results[name] = f"cannot build: {error}"
     return results
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as error:  # pragma: no cover
+        raise ConfigError("backend.name=deepspeed needs DeepSpeed: pip install 'llmtrain[deepspeed]'") from error
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO dump of every config key
+    return deepspeed
+
+
+def check_ops(settings: DeepSpeedSettings) -> None:
+    """NVMe offload needs DeepSpeed's async_io op (libaio): fail before the model loads if it cannot build."""
+    if "nvme" not in (settings.offload_optimizer.device, settings.offload_param.device):
+        return
+    import_deepspeed()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    reason = None
+    if not builder.is_compatible(verbose=False):
+        reason = "libaio was not found (Debian/Ubuntu: apt-get install libaio-dev)"
+    else:
+        try:
+            builder.load(verbose=False)
+        except Exception as error:  # noqa: BLE001 - any build failure is reported as such
+            reason = f"building it failed: {error}"
+    if reason:
+        raise ConfigError(f"backend.offload_*.device=nvme needs DeepSpeed's async_io op, which cannot build here: "
+                          f"{reason}. Install libaio-dev, or use device=cpu")
+
+
+def build_offload_adam(model: torch.nn.Module, spec: OptimizerSpec):
+    """(optimizer, note): DeepSpeedCPUAdam over our AdamW groups, or torch AdamW when its op cannot build."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas,
+                                     eps=spec.eps, adamw_mode=True, bias_correction=True)
+        return optimizer, "DeepSpeedCPUAdam"
+    except Exception as error:  # noqa: BLE001 - the op build can fail in many ways (no compiler, no headers)
+        log.warning("optimizer offload: DeepSpeed's cpu_adam op cannot build here (%s); FALLBACK: torch.optim.AdamW "
+                    "runs on the host instead (same maths, slower); zero_force_ds_cpu_optimizer=false", error)
+        return build_adamw(model, spec), "torch.optim.AdamW (fallback: cpu_adam op did not build)"
 
 
 def main() -> int:
