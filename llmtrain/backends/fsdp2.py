@@ -268,6 +268,9 @@ class FSDP2Engine(ScaledOptimizerSteps):
     def generation_context(self):
         """Every FSDP unit unsharded once (one all-gather each) and kept so through the block; then resharded, with
         each unit's reshard-after-forward as parallelize set it."""
+        # peft's generate() runs the wrapped model's forward, below the root (the PeftModel): a unit whose forward
+        # runs before the root's would make itself a root, and the root's next forward fail. Settle the roots first.
+        fully_shard.state(self.model)._lazy_init()
         units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         self.model.set_reshard_after_forward(False)
         for unit in units:
