@@ -165,3 +165,29 @@ def test_prompts_per_step_must_split_over_the_data_parallel_ranks():
 def test_reversal_reward():
     assert reversal_score(["reverse: abc\n"] * 3, ["cba", "cbx", "cbaaa"]) == [1.0, 0.5 * 2 / 3, 0.5 * 3 / 5]
     assert reversal_score(["reverse: abc\n"], ["xyz"], response=["xyz"]) == [1.0]  # the reference column wins
+
+
+def test_trl_style_reward_functions_are_called_by_keyword():
+    """TRL calls reward functions by keyword (`prompts=`, `completions=`, the columns): a function written for
+    TRL gets the responses as `completions`, not the prompts; arrays and tensors of scores are accepted."""
+    import numpy as np
+
+    def completions_only(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def trl_named(prompts, completions, answer):
+        return np.array([float(c == a) for c, a in zip(completions, answer)], dtype=np.float32)
+
+    def as_tensor(prompts, responses):
+        return torch.tensor([1.5, -0.5])
+
+    columns = {"answer": ["a", "b"]}
+    assert call_reward_function(completions_only, ["pp", "qq"], ["a", "xyz"], columns) == [1.0, 3.0]
+    assert call_reward_function(trl_named, ["p", "q"], ["a", "x"], columns) == [1.0, 0.0]
+    assert call_reward_function(as_tensor, ["p", "q"], ["a", "x"], columns) == [1.5, -0.5]
+    with pytest.raises(ValueError, match="non-numeric"):
+        call_reward_function(lambda p, r: ["1.0", 2.0], ["p", "q"], ["a", "x"], {})
+    with pytest.raises(ValueError, match="non-numeric"):
+        call_reward_function(lambda p, r: [None, 2.0], ["p", "q"], ["a", "x"], {})
+    assert call_reward_function(lambda **kw: [len(kw["completions"][0]), len(kw["prompts"])], ["p", "q"], ["ab", "x"],
+                                {}) == [2.0, 2.0]

@@ -3,7 +3,8 @@
 A reward function is `score(prompts: list, responses: list[str], **columns) -> list[float]`, imported from
 `module:attribute` on PYTHONPATH: `prompts` are the raw prompt column, `responses` the decoded text up to
 (not including) the EOS; the dataset's other columns are passed as keyword lists when the function takes
-them (by name, or all of them through **kwargs), as TRL and verl do.
+them (by name, or all of them through **kwargs), as TRL and verl do. TRL-style functions that name their
+parameters (`completions`, `prompts`) are called by keyword.
 Scores are then clipped (`clip`), normalised with the reward model's exported mean/std (`normalize`),
 and a response cut at max_new_tokens gets `missing_eos_penalty` added.
 """
@@ -42,18 +43,45 @@ def load_reward_function(spec: str) -> Callable:
     return function
 
 
+RESPONSE_NAMES = ("responses", "completions")  # TRL names them completions
+
+
 def call_reward_function(function: Callable, prompts: list, responses: list[str], columns: dict[str, list]) -> list[float]:
+    """`function(prompts, responses, **columns)`: positionally, or by name when it names its parameters as TRL's
+    do (`def f(completions, **kwargs)`, `def f(prompts, completions, answer)`): `prompts`, `completions` or
+    `responses`, and the data columns it takes (all of them through **kwargs)."""
     parameters = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    passed = {k: v for k, v in columns.items() if takes_all or k in parameters}
-    scores = list(function(prompts, responses, **passed))
-    name = getattr(function, "__qualname__", repr(function))
-    if len(scores) != len(responses):
-        raise ValueError(f"reward function {name} returned {len(scores)} scores for {len(responses)} responses")
-    bad = [s for s in scores if not isinstance(s, (int, float)) or not math.isfinite(s)]
-    if bad:
-        raise ValueError(f"reward function {name} returned non-finite or non-numeric scores, e.g. {bad[0]!r}")
-    return [float(s) for s in scores]
+    passed = {k: v for k, v in columns.items() if (takes_all or k in parameters) and k not in ("prompts", *RESPONSE_NAMES)}
+    named = [n for n in RESPONSE_NAMES if n in parameters]
+    positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if named or (takes_all and not positional):  # `def f(**kwargs)`: TRL's keywords
+        texts = {n: responses for n in (named or ["completions"])}
+        prompt = {"prompts": prompts} if takes_all or "prompts" in parameters else {}
+        scores = function(**prompt, **texts, **passed)
+    else:
+        scores = function(prompts, responses, **passed)
+    return checked_scores(scores, len(responses), getattr(function, "__qualname__", repr(function)))
+
+
+def checked_scores(scores, count: int, name: str) -> list[float]:
+    """A list, tuple, array or tensor of `count` finite numbers -> floats; anything else names the function."""
+    if isinstance(scores, torch.Tensor):
+        scores = scores.detach().float().cpu().reshape(-1).tolist()
+    scores = list(scores)
+    if len(scores) != count:
+        raise ValueError(f"reward function {name} returned {len(scores)} scores for {count} responses")
+    values = []
+    for score in scores:
+        try:
+            value = None if isinstance(score, (str, bytes, bool)) or score is None else float(score)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not math.isfinite(value):
+            raise ValueError(f"reward function {name} returned non-finite or non-numeric scores, e.g. {score!r}: "
+                             f"return one finite number per response")
+        values.append(value)
+    return values
 
 
 def reward_model_statistics(path: str) -> tuple[float, float] | None:
