@@ -106,12 +106,15 @@ def test_counted_communication_of_an_iteration_matches_the_plan(runs, stage, bac
             assert abs(counted / planned - 1) <= 0.05, f"rank {rank} {kind}: counted {counted:.0f}, planned {planned:.0f}"
 
 
-@pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "zero2")])
-def test_bitwise_resume(runs, stage, backend):
+@pytest.mark.parametrize("stage,backend,lora", [("ppo", "ddp", False), ("ppo", "zero3", False), ("ppo", "fsdp2", False),
+                                               ("grpo", "zero2", False), ("ppo", "fsdp2", True)])
+def test_bitwise_resume(runs, stage, backend, lora):
     """4 iterations straight vs the iteration-2 checkpoint resumed in fresh processes: identical rollouts, scores,
-    losses (actor, critic, their optimizers, the KL controller, RNG, the prompt position all come back)."""
-    straight = runs.get(stage, backend)
-    resumed = runs.get(stage, backend, f"resume={straight}/checkpoints/step_2", tag="_resumed")
+    losses (actor, critic, their optimizers, the KL controller, RNG, the prompt position all come back; with LoRA
+    the adapters and the critic's, over the base rebuilt from its source)."""
+    extra, tag = (["peft=lora"], "_lora") if lora else ([], "")
+    straight = runs.get(stage, backend, *extra, tag=tag)
+    resumed = runs.get(stage, backend, *extra, f"resume={straight}/checkpoints/step_2", tag=f"{tag}_resumed")
     reference, continued = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in continued[0]] == [3, 4]
 
