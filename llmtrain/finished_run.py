@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from llmtrain.data.collate import Batch, collate
+from llmtrain.losses.dpo import AVERAGED_LOGPS, sequence_logps, token_logps
 from llmtrain.losses.lm import IGNORE_INDEX
 
 PREFERENCE_STAGES = ("reward", "dpo")
@@ -101,13 +103,10 @@ class FinishedRun:
         if self.stage not in ("sft", "pretrain"):
             raise ValueError(f"token losses are for the sft and pretrain stages; this run is stage={self.stage}")
         tokenizer, model = self.tokenizer(), self.model()
-        examples = self.held_out(tokenizer)
         samples = []
-        for start in range(0, len(examples), batch_size):
-            rows = [examples[i] for i in range(start, min(start + batch_size, len(examples)))]
-            ids, labels, mask = right_padded([r["input_ids"] for r in rows], [r["labels"] for r in rows],
-                                             tokenizer.pad_token_id)
-            losses = target_logps(model(input_ids=ids, attention_mask=mask).logits, labels).neg()  # (B, T)
+        for rows in chunks(self.held_out(tokenizer), batch_size):
+            batch = collate(rows, tokenizer.pad_token_id)  # right-padded, as the run's eval
+            losses = per_token_losses(model(**batch.model_inputs()).logits, batch.labels)  # (B, T)
             for row, loss in zip(rows, losses):
                 length = len(row["input_ids"])
                 is_target = [label != IGNORE_INDEX for label in row["labels"]]
@@ -121,14 +120,12 @@ class FinishedRun:
             raise ValueError(f"pair rewards are for the {' and '.join(PREFERENCE_STAGES)} stages; this run is "
                              f"stage={self.stage}")
         tokenizer = self.tokenizer()
-        examples = self.held_out(tokenizer)
         score = self._reward_model_scores() if self.stage == "reward" else self._dpo_rewards()
         pairs = []
-        for start in range(0, len(examples), batch_size):
-            rows = [examples[i] for i in range(start, min(start + batch_size, len(examples)))]
-            sides = [(r[f"{side}_input_ids"], r[f"{side}_labels"]) for side in ("chosen", "rejected") for r in rows]
-            ids, labels, mask = right_padded(*zip(*sides), tokenizer.pad_token_id)
-            rewards = score(ids, labels, mask).tolist()  # (2P,): chosen, then rejected
+        for rows in chunks(self.held_out(tokenizer), batch_size):
+            sides = [{"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]}
+                     for side in ("chosen", "rejected") for r in rows]
+            rewards = score(collate(sides, tokenizer.pad_token_id)).tolist()  # (2P,): chosen, then rejected
             for i, row in enumerate(rows):
                 pairs.append(PairReward(rewards[i], rewards[len(rows) + i], row.get("kind"),
                                         tokenizer.decode(row["chosen_input_ids"]),
@@ -138,40 +135,32 @@ class FinishedRun:
     def _reward_model_scores(self):
         model = self.model(head="scalar")  # transformers pools at each row's last real token: the EOS
 
-        def score(ids, labels, mask):
-            return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        def score(batch: Batch) -> torch.Tensor:
+            return model(**batch.model_inputs()).logits[:, 0].float()
 
         return score
 
     def _dpo_rewards(self):
         policy, reference = self.model(), self.initial_model()
-        beta, averaged = self.cfg.dpo.beta, self.cfg.dpo.loss == "ipo"
+        beta, averaged = self.cfg.dpo.beta, self.cfg.dpo.loss in AVERAGED_LOGPS
 
-        def logps(model, ids, labels, mask):
-            per_token = target_logps(model(input_ids=ids, attention_mask=mask).logits, labels)  # (B, T)
-            total = per_token.sum(-1)
-            return total / (labels[:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1) if averaged else total
-
-        def score(ids, labels, mask):
-            return beta * (logps(policy, ids, labels, mask) - logps(reference, ids, labels, mask))
+        def score(batch: Batch) -> torch.Tensor:
+            policy_logps, reference_logps = (sequence_logps(model(**batch.model_inputs()).logits, batch.labels,
+                                                            average=averaged) for model in (policy, reference))
+            return beta * (policy_logps - reference_logps)
 
         return score
 
 
-def right_padded(input_ids, labels, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of different lengths -> ids (B, T) padded with the pad token, labels (B, T) with IGNORE_INDEX, mask."""
-    width = max(len(row) for row in input_ids)
-    ids = torch.tensor([list(row) + [pad_token_id] * (width - len(row)) for row in input_ids])
-    targets = torch.tensor([list(row) + [IGNORE_INDEX] * (width - len(row)) for row in labels])
-    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in input_ids])
-    return ids, targets, mask
+def chunks(examples, size: int):
+    """Lists of `size` consecutive examples (the last one shorter)."""
+    for start in range(0, len(examples), size):
+        yield [examples[i] for i in range(start, min(start + size, len(examples)))]
 
 
-def target_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, T) log p(label t | tokens < t) at each target position t, 0 elsewhere (position 0 is never a target).
+def per_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) −log p(token t | tokens < t) at each target t, 0 elsewhere (position 0 is never a target).
 
     logits: (B, T, V), labels: (B, T) aligned with the tokens."""
-    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V): position t-1 predicts token t
-    targets = labels[:, 1:]  # (B, T-1)
-    picked = logps.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-    return F.pad(picked.masked_fill(targets == IGNORE_INDEX, 0.0), (1, 0))
+    logps, _ = token_logps(logits, labels)  # (B, T): position t's log-prob of token t + 1
+    return F.pad(-logps[:, :-1], (1, 0))

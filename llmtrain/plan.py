@@ -338,9 +338,8 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
              "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
     if st.rl is not None:
-        schedule = st.rl.schedule(rows[0].layout.dp)
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
-                     f"forwards, then {schedule.updates} optimizer steps of each trainable role (comm and step s "
+                     f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "
                      f"count all of it; the rollout's own gathers, a few KB, are left out)")
     lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
               "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmtrain.config import RL_STAGES
 from llmtrain.metrics.cost import Collective, RoleParams, communication
 from llmtrain.metrics.flops import training_flops_per_token
-
-RL_STAGES = ("ppo", "grpo")
 
 
 @dataclass(frozen=True)
@@ -31,24 +30,29 @@ class RLIteration:
     mini_batch: int  # sequences per optimizer step, global
     epochs: int
     micro: int  # sequences per micro-batch on a rank
-    new_tokens: int  # generated per sequence, at most
-    on_policy: bool  # stages/ppo/build.py: GRPO with one epoch, one mini-batch and the KL as a loss term
+    on_policy: bool  # the update's forward gives the old log-probs (stages/ppo/build.old_logps_from_update)
 
     @classmethod
     def from_config(cls, cfg) -> "RLIteration | None":
         """None for the stages whose step is one optimizer step."""
         if cfg.stage.name not in RL_STAGES:
             return None
-        p, rollout = cfg.ppo, cfg.ppo.rollout
-        samples = rollout.prompts_per_step * rollout.n_samples_per_prompt
-        return cls(samples=samples, mini_batch=p.mini_batch_size, epochs=p.epochs, micro=cfg.trainer.micro_batch_size,
-                   new_tokens=rollout.max_new_tokens, on_policy=not p.kl.in_reward and p.epochs == 1 and p.mini_batch_size == samples)
+        from llmtrain.stages.ppo.build import old_logps_from_update
+
+        p = cfg.ppo
+        return cls(samples=p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt, mini_batch=p.mini_batch_size,
+                   epochs=p.epochs, micro=cfg.trainer.micro_batch_size, on_policy=old_logps_from_update(p))
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps of each trainable role per iteration (epochs × mini-batches)."""
+        return self.epochs * (self.samples // self.mini_batch)
 
     def schedule(self, dp: int) -> RLSchedule:
         def micro_batches(sequences: int) -> int:
             return -(-(-(-sequences // dp)) // self.micro)  # this rank's share, in micro-batches
 
-        return RLSchedule(updates=self.epochs * (self.samples // self.mini_batch),
+        return RLSchedule(updates=self.updates,
                           update_micro=micro_batches(self.mini_batch), experience_micro=micro_batches(self.samples),
                           actor_experience=not self.on_policy)
 

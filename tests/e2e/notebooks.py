@@ -67,15 +67,31 @@ def test_stored_without_outputs(notebook):
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
-def with_last_eval_edited(run_dir: Path, dest: Path, **changes) -> Path:
-    """A copy of a finished run (config, metrics, the export linked) whose last eval record has `changes`."""
+def edited_copy(run_dir: Path, dest: Path, edit_records=None, edit_config=None) -> Path:
+    """The run's metrics.jsonl (every record, in file order, through `edit_records(list) -> list`), config.yaml
+    (through `edit_config(dict)`) and, linked, its export `hf/` when it has one."""
     import json
 
+    import yaml
+
     dest.mkdir()
-    (dest / "config.yaml").write_text((run_dir / "config.yaml").read_text())
-    (dest / "hf").symlink_to(run_dir / "hf")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last_eval = max(i for i, r in enumerate(records) if any(k.startswith("eval_") for k in r))
-    records[last_eval].update(changes)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = edit_records(records) if edit_records else records
     (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if edit_config:
+        edit_config(config)
+    (dest / "config.yaml").write_text(yaml.safe_dump(config))
+    if (run_dir / "hf").is_dir():
+        (dest / "hf").symlink_to(run_dir / "hf")
     return dest
+
+
+def last_eval_edited(**changes):
+    """An `edit_records` for edited_copy: the last eval record gets `changes`."""
+    def edit(records: list[dict]) -> list[dict]:
+        last_eval = max(i for i, r in enumerate(records) if any(k.startswith("eval_") for k in r))
+        records[last_eval].update(changes)
+        return records
+
+    return edit

@@ -16,7 +16,7 @@ from nbclient.exceptions import CellExecutionError
 from tests.conftest import REPO, assert_ok, read_metrics, run_cli
 from tests.e2e.notebooks import execute as run_notebook
 from tests.e2e.notebooks import kernel_name, printed, test_stored_without_outputs  # noqa: F401  (fixture, test)
-from tests.e2e.notebooks import with_last_eval_edited
+from tests.e2e.notebooks import edited_copy, last_eval_edited
 
 pytestmark = pytest.mark.e2e
 
@@ -118,8 +118,8 @@ def test_sft_token_loss_recomputes_the_runs_eval_loss(tiny_run, kernel_name, mon
 
 def test_sft_token_loss_fails_when_the_export_is_not_what_the_run_evaluated(tiny_run, kernel_name, monkeypatch,
                                                                           tmp_path):
-    broken = with_last_eval_edited(tiny_run, tmp_path / "drifted", eval_loss=read_metrics(tiny_run)[1][-1]["eval_loss"]
-                                   + 0.01)
+    drifted = last_eval_edited(eval_loss=read_metrics(tiny_run)[1][-1]["eval_loss"] + 0.01)
+    broken = edited_copy(tiny_run, tmp_path / "drifted", drifted)
     with pytest.raises(CellExecutionError) as error:
         run_notebook(REPO / "notebooks" / "sft_token_loss.ipynb", broken, kernel_name, monkeypatch)
     assert error.value.ename == "AssertionError" and "!= the run's eval_loss" in error.value.evalue

@@ -5,18 +5,15 @@ that is not fp32 CPU is flagged, not failed."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-import yaml
 from nbclient.exceptions import CellExecutionError
 
 from tests.conftest import REPO, assert_ok, read_metrics, run_cli
 from tests.e2e.notebooks import execute as run_notebook
-from tests.e2e.notebooks import kernel_name, printed  # noqa: F401  (kernel_name: a fixture)
+from tests.e2e.notebooks import edited_copy, kernel_name, printed  # noqa: F401  (kernel_name: a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,20 +36,6 @@ def ppo_run(tmp_path_factory) -> Path:
 
 def execute(run_dir: Path, kernel_name: str, monkeypatch) -> nbformat.NotebookNode:
     return run_notebook(NOTEBOOK, run_dir, kernel_name, monkeypatch)
-
-
-def edited_copy(run_dir: Path, dest: Path, edit_records=None, edit_config=None) -> Path:
-    """The run's metrics.jsonl (every record, in file order, through `edit_records(list) -> list`) and config.yaml
-    (through `edit_config(dict)`)."""
-    dest.mkdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    records = edit_records(records) if edit_records else records
-    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    if edit_config:
-        edit_config(config)
-    (dest / "config.yaml").write_text(yaml.safe_dump(config))
-    return dest
 
 
 def test_summarises_a_fresh_ppo_run(ppo_run, kernel_name, monkeypatch):

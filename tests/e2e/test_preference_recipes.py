@@ -14,7 +14,7 @@ from nbclient.exceptions import CellExecutionError
 
 from tests.conftest import REPO, read_metrics, run_recipe
 from tests.e2e.notebooks import execute as run_notebook
-from tests.e2e.notebooks import kernel_name, printed, with_last_eval_edited  # noqa: F401  (kernel_name: a fixture)
+from tests.e2e.notebooks import edited_copy, kernel_name, last_eval_edited, printed  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -121,7 +121,8 @@ def test_preference_dashboard_rescores_every_held_out_pair(recipe, rm_run, dpo_r
 def test_preference_dashboard_fails_when_the_export_is_not_what_the_run_evaluated(dpo_run, kernel_name, monkeypatch,
                                                                                   tmp_path):
     last = read_metrics(dpo_run)[1][-1]
-    broken = with_last_eval_edited(dpo_run, tmp_path / "drifted", eval_reward_accuracy=last["eval_reward_accuracy"] / 2)
+    drifted = last_eval_edited(eval_reward_accuracy=last["eval_reward_accuracy"] / 2)
+    broken = edited_copy(dpo_run, tmp_path / "drifted", drifted)
     with pytest.raises(CellExecutionError) as error:
         run_notebook(NOTEBOOK, broken, kernel_name, monkeypatch)
     assert error.value.ename == "AssertionError" and "recomputed accuracy" in error.value.evalue

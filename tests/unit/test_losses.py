@@ -87,17 +87,19 @@ def test_grad_accumulation_4x1_equals_one_batch_of_4():
 
 
 def test_finished_run_token_losses_sum_to_the_training_loss():
-    """llmtrain.finished_run rescores samples token by token (right-padded, its own shift): per-token losses sum to
-    lm_loss_sum over the same targets, the first position and padding carry none."""
-    from llmtrain.finished_run import right_padded, target_logps
+    """llmtrain.finished_run rescores samples token by token (collated as the run's eval, the loss placed on the
+    token it predicts): per-token losses sum to lm_loss_sum over the same targets, the first position and padding
+    carry none."""
+    from llmtrain.data.collate import collate
+    from llmtrain.finished_run import per_token_losses
     from llmtrain.losses.lm import lm_loss_sum
 
     torch.manual_seed(0)
-    rows = [[5, 6, 7, 8, 9], [5, 6, 7]]
-    labels = [[-100, -100, 7, 8, 9], [-100, 6, 7]]
-    ids, targets, mask = right_padded(rows, labels, pad_token_id=0)  # (2, 5)
-    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]] and targets[1, 3:].tolist() == [-100, -100]
+    batch = collate([{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+                     {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}], pad_token_id=0)  # (2, 5)
+    targets = batch.labels
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]] and targets[1, 3:].tolist() == [-100, -100]
     logits = torch.randn(2, 5, 11)
-    per_token = target_logps(logits, targets).neg()  # (2, 5)
+    per_token = per_token_losses(logits, targets)  # (2, 5)
     assert per_token[:, 0].eq(0).all() and per_token[1, 3:].eq(0).all() and per_token[0, 1] == 0
     torch.testing.assert_close(per_token.sum(), lm_loss_sum(logits, targets), rtol=1e-6, atol=1e-6)

@@ -202,7 +202,7 @@ def test_a_ppo_iteration_by_hand():
     from llmtrain.metrics.cost import Layout, RoleParams
     from llmtrain.plan_rl import RLIteration, rl_communication
 
-    it = RLIteration(samples=64, mini_batch=16, epochs=2, micro=16, new_tokens=16, on_policy=False)
+    it = RLIteration(samples=64, mini_batch=16, epochs=2, micro=16, on_policy=False)
     schedule = it.schedule(dp=2)
     assert (schedule.updates, schedule.update_micro, schedule.experience_micro) == (8, 1, 2)
     ddp = Layout(name="ddp", library="ddp", stage=0, dp=2, tp=1)
@@ -213,7 +213,7 @@ def test_a_ppo_iteration_by_hand():
     assert sent == [("actor update: gradients", 8 * 4 * 100), ("critic update: gradients", 8 * 4 * 90)]
 
     zero3 = Layout(name="zero3", library="deepspeed", stage=3, dp=2, tp=1)
-    on_policy = RLIteration(samples=8, mini_batch=8, epochs=1, micro=4, new_tokens=8, on_policy=True).schedule(dp=2)
+    on_policy = RLIteration(samples=8, mini_batch=8, epochs=1, micro=4, on_policy=True).schedule(dp=2)
     grpo = {"actor": roles["actor"], "reference": roles["reference"]}
     whats = [c.what for c in rl_communication(grpo, zero3, "fp32", on_policy, **shape)]
     assert "actor experience: weights, forward" not in whats and "reference experience: weights, forward" in whats

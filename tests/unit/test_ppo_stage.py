@@ -189,5 +189,6 @@ def test_trl_style_reward_functions_are_called_by_keyword():
         call_reward_function(lambda p, r: ["1.0", 2.0], ["p", "q"], ["a", "x"], {})
     with pytest.raises(ValueError, match="non-numeric"):
         call_reward_function(lambda p, r: [None, 2.0], ["p", "q"], ["a", "x"], {})
+    assert call_reward_function(lambda p, r: [True, False], ["p", "q"], ["a", "x"], {}) == [1.0, 0.0]  # bools count
     assert call_reward_function(lambda **kw: [len(kw["completions"][0]), len(kw["prompts"])], ["p", "q"], ["ab", "x"],
                                 {}) == [2.0, 2.0]

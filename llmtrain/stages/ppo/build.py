@@ -39,6 +39,13 @@ def attention_for_rollouts(attn_implementation: str) -> str:
     return attn_implementation
 
 
+def old_logps_from_update(p) -> bool:
+    """`ppo` config -> whether the update's own forward gives the old log-probs: one optimizer step per rollout
+    and the KL as a loss term (GRPO's usual setting), so the experience skips the actor's forward."""
+    return (not p.kl.in_reward and p.epochs == 1
+            and p.mini_batch_size == p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt)
+
+
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOStage:
     p, t = cfg.ppo, cfg.trainer
     r, rollout = p.reward, p.rollout
@@ -51,8 +58,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
         temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
         group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size,
-        old_logps_from_update=not p.kl.in_reward and p.epochs == 1
-        and p.mini_batch_size == rollout.prompts_per_step * rollout.n_samples_per_prompt)
+        old_logps_from_update=old_logps_from_update(p))
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
                             kl_loss_coef=0.0 if p.kl.in_reward else p.kl.coef, kl_estimator=p.kl.estimator,

@@ -52,7 +52,8 @@ def call_reward_function(function: Callable, prompts: list, responses: list[str]
     `responses`, and the data columns it takes (all of them through **kwargs)."""
     parameters = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    passed = {k: v for k, v in columns.items() if (takes_all or k in parameters) and k not in ("prompts", *RESPONSE_NAMES)}
+    passed = {k: v for k, v in columns.items()
+              if (takes_all or k in parameters) and k not in ("prompts", *RESPONSE_NAMES)}
     named = [n for n in RESPONSE_NAMES if n in parameters]
     positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if named or (takes_all and not positional):  # `def f(**kwargs)`: TRL's keywords
@@ -74,7 +75,7 @@ def checked_scores(scores, count: int, name: str) -> list[float]:
     values = []
     for score in scores:
         try:
-            value = None if isinstance(score, (str, bytes, bool)) or score is None else float(score)
+            value = None if isinstance(score, (str, bytes)) or score is None else float(score)  # a bool counts
         except (TypeError, ValueError):
             value = None
         if value is None or not math.isfinite(value):
