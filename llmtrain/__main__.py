@@ -25,7 +25,7 @@ def usage() -> str:
     """`python -m llmtrain --help`: the recipes, the config groups and their options, where the fields are."""
     import yaml
 
-    from llmtrain.compose import available_recipes, conf_dir, recipes_dir
+    from llmtrain.paths import available_recipes, conf_dir, recipes_dir
 
     root = conf_dir()
     defaults = {}

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.config import ConfigError
+from llmtrain.paths import available_recipes, recipes_dir
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ def cache_root() -> Path:
 
 def recipe_file(ref: str) -> Path:
     """The yaml a base reference names: a recipe name in recipes/ or a path to a .yaml/.yml file."""
-    from llmtrain.compose import available_recipes, recipes_dir
-
     if ref in available_recipes():
         return (recipes_dir() / f"{ref}.yaml").resolve()
     path = Path(ref).expanduser()
@@ -98,8 +97,6 @@ def recipe_file(ref: str) -> Path:
 
 def _build_ref(ref: str) -> str:
     """What the build's `recipe=` gets: the name of a shipped recipe, else the yaml's absolute path."""
-    from llmtrain.compose import available_recipes
-
     return ref if ref in available_recipes() else str(recipe_file(ref))
 
 
@@ -142,11 +139,10 @@ def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def base_entry(ref: str) -> BaseEntry:
-    """Compose the base recipe as it will be built (nested compose: resolves its own bases) and hash it."""
+def base_entry(ref: str, compose_config) -> BaseEntry:
+    """Compose the base recipe as it will be built (`compose_config`: llmtrain.compose's, nested: it resolves the
+    base's own bases) and hash it."""
     from omegaconf import OmegaConf
-
-    from llmtrain.compose import compose_config
 
     path = recipe_file(ref)
     cfg = OmegaConf.to_container(compose_config([f"recipe={_build_ref(ref)}", *BUILD_OVERRIDES]), resolve=True)
@@ -157,7 +153,7 @@ def base_entry(ref: str) -> BaseEntry:
     return BaseEntry(ref=ref, name=path.stem, key=key, bases_dir=cache_root() / "bases")
 
 
-def resolve_base(ref: str) -> str:
+def resolve_base(ref: str, compose_config) -> str:
     """`${base:REF}`: the path of REF's hf/ export, built once into the cache when it is missing."""
     path = recipe_file(ref)
     if path in _resolving:
@@ -165,7 +161,7 @@ def resolve_base(ref: str) -> str:
         raise ConfigError(f"${{base:{ref}}}: base recipes form a cycle: {chain}")
     _resolving.append(path)
     try:
-        entry = base_entry(ref)
+        entry = base_entry(ref, compose_config)
         with _locked(entry):
             if entry.is_complete():
                 _log_rank0("reusing base model %s from %s", entry.name, entry.dir)

@@ -14,31 +14,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llmtrain.config import ConfigError, register_schema
-
-PACKAGE_DIR = Path(__file__).resolve().parent
-ASSETS_DIR = PACKAGE_DIR / "assets"
-
-
-def _shipped_dir(name: str) -> Path:
-    """conf/ or recipes/: beside the package in a checkout, inside it (as _conf/_recipes) when installed."""
-    for candidate in (PACKAGE_DIR.parent / name, PACKAGE_DIR / f"_{name}"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"llmtrain cannot find its {name}/ directory next to {PACKAGE_DIR}")
-
-
-def conf_dir() -> Path:
-    return _shipped_dir("conf")
-
-
-def recipes_dir() -> Path:
-    return _shipped_dir("recipes")
-
-
-def available_recipes() -> list[str]:
-    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
-
+from llmtrain.config import ConfigError
+from llmtrain.paths import ASSETS_DIR, available_recipes, conf_dir, recipes_dir
+from llmtrain.schema import register_schema
 
 def _register_resolvers() -> None:
     """`${asset:REL}`: a file shipped in llmtrain/assets. `${base:RECIPE}`: that recipe's trained hf/ export,
@@ -48,7 +26,8 @@ def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("base"):
         from llmtrain.bases import resolve_base
 
-        OmegaConf.register_new_resolver("base", resolve_base)
+        # the base recipe's own config is composed here too (nested: it may have bases of its own)
+        OmegaConf.register_new_resolver("base", lambda ref: resolve_base(ref, compose_config))
 
 
 def split_recipe(overrides: list[str]) -> tuple[str, list[str]]:
@@ -113,6 +92,34 @@ def apply_from_config(cfg: DictConfig, overrides: list[str]) -> None:
     cfg.model.from_config = fields
 
 
+def unknown_key_message(error: BaseException) -> str | None:
+    """The project's message for a key the schema does not have (`model.fused_loss`, `trainer.max_step`): the node's
+    fields, the closest ones, and where else a field of that name lives. None: another error."""
+    import difflib
+
+    from llmtrain.schema import full_schema
+
+    while error is not None and not isinstance(getattr(error, "full_key", None), str):
+        error = error.__cause__ or error.__context__
+    if error is None or not isinstance(error, OmegaConfBaseException) or "not in" not in str(error):
+        return None
+    key = error.full_key
+    parent, _, name = key.rpartition(".")
+    schema = OmegaConf.structured(full_schema())
+    node = OmegaConf.select(schema, parent) if parent else schema
+    if not isinstance(node, DictConfig):
+        return None
+    fields = [str(k) for k in node.keys()]
+    close = difflib.get_close_matches(name, fields, n=2)
+    elsewhere = [f"{where}.{name}" for where in schema.keys()
+                 if isinstance(schema[where], DictConfig) and name in schema[where] and where != parent]
+    candidates = [f"{parent}.{c}" if parent else c for c in close] + elsewhere
+    hints = [f"did you mean {' or '.join(candidates)}?"] if candidates else []
+    where = parent or "the config's top level"
+    return (f"config: {key} is not a field of {where}; {'; '.join(hints) + '; ' if hints else ''}"
+            f"{where} has: {', '.join(fields)}")
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """Compose, resolve interpolations, and return a read-only typed config."""
     register_schema()
@@ -137,6 +144,14 @@ def compose_config(overrides: list[str]) -> DictConfig:
         own = _own_error(error)
         if own is not None:  # a resolver's ConfigError (a failed base build, a cycle): its message as is
             raise own from None
+        from llmtrain.backends import misplaced_key_message
+
+        misplaced = misplaced_key_message(error)  # backend.KEY of another backend's group: says which, and how
+        if misplaced is not None:
+            raise ConfigError(misplaced) from None
+        unknown = unknown_key_message(error)
+        if unknown is not None:
+            raise ConfigError(unknown) from None
         cause = f": {error.__cause__}" if error.__cause__ else ""
         raise ConfigError(f"config: {error}{cause}".split("\n    full_key")[0]) from None
     if cfg.output_dir is None:

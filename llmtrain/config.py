@@ -1,7 +1,8 @@
-"""Typed config schema (Hydra structured configs) and validation that needs no model weights.
+"""The typed config schema (Hydra structured configs) of the run's own fields, and their checks.
 
-Every check here runs on every rank before any model loads; all problems are collected and raised
-together as one ConfigError whose lines each name the field and the fix.
+The ground floor: this module imports nothing from llmtrain. Stages add their own top-level nodes and backends
+their typed groups (`llmtrain.schema` assembles the whole); `llmtrain.validation` collects every component's
+problems, each line naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 
 
 class ConfigError(ValueError):
@@ -90,122 +90,15 @@ class LoggerConfig:
 
 
 @dataclass
-class OffloadConfig:
-    device: str = "none"  # none | cpu | nvme
-    nvme_path: Optional[str] = None
-    pin_memory: bool = True
-
-
-@dataclass
-class BackendConfig:
-    name: str = "ddp"  # ddp | deepspeed | fsdp2
-    # DeepSpeed (presets deepspeed, zero0..zero3, zero3_offload)
-    zero_stage: int = 0
-    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    # Sizes in elements, "auto" or an int. "auto" follows the model's hidden size h, as transformers'
-    # DeepSpeed integration does: reduce bucket h², ZeRO-3 prefetch 0.9·h², persistence threshold 10·h
-    # (ZeRO-3 keeps weights up to that size whole on every rank). Typed Any: OmegaConf has no int | str.
-    reduce_bucket_size: Any = "auto"
-    # Only chunks all-gathers when torch lacks all_gather_into_tensor: DeepSpeed 0.19 ignores it otherwise.
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: Any = "auto"
-    stage3_param_persistence_threshold: Any = "auto"
-    stage3_max_live_parameters: int = 1_000_000_000
-    # {DeepSpeed key: value} for keys we do not model, deep-merged last. Typed Any, default null: then
-    # `backend.ds_config_overrides={...}` assigns the dict (a Dict field would refuse every new key in
-    # struct mode); the deepspeed check rejects anything but a mapping.
-    ds_config_overrides: Any = None
-    # FSDP2 (presets fsdp2, fsdp2_tp): world = dp_replicate × dp_shard × tp; dp_shard -1 = infer
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    compile: bool = False
+class BackendNode:
+    """The `backend` node: each backend's typed group (its descriptor's config_class, llmtrain/backends/) extends it
+    with its own fields only, so a key of another backend is refused by name (backends.misplaced_key_message)."""
+    name: str = "???"  # one of llmtrain.backends.BACKENDS (conf/config.yaml picks the default)
 
 
 @dataclass
 class StageConfig:
-    name: str = "pretrain"  # pretrain | sft | reward | dpo | ppo | grpo
-
-
-@dataclass
-class RewardConfig:
-    """stage=reward: pairwise loss -logsigmoid(r_chosen - r_rejected - margin) + center_coef·(r_c + r_r)²."""
-    margin_column: Optional[str] = None  # a data column with a per-pair margin (null: no margin)
-    center_coef: float = 0.0  # > 0 pulls the rewards' mean towards 0 (Eisenstein et al.; TRL's center_rewards)
-
-
-@dataclass
-class DPOConfig:
-    """stage=dpo: policy vs a frozen reference on the summed response log-probs of each pair."""
-    beta: float = 0.1
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
-    label_smoothing: float = 0.0  # > 0: conservative DPO (cDPO), the labels flipped with this probability
-
-
-@dataclass
-class PPORoleConfig:
-    lr: Optional[float] = None  # the role's peak lr; null: optim.lr (the schedule and the rest of optim are shared)
-
-
-@dataclass
-class PPOCriticConfig(PPORoleConfig):
-    init: str = "policy"  # policy: the actor's weights with a fresh value head | reward: ppo.reward.model, head kept
-
-
-@dataclass
-class PPORewardConfig:
-    """Exactly one of `model` (a reward model directory: a frozen role) and `function` (`module:attribute`)."""
-    model: Optional[str] = None
-    function: Optional[str] = None  # score(prompts, responses, **columns) -> list[float]
-    clip: Optional[float] = None  # scores clipped to [-clip, clip]
-    normalize: bool = False  # (score - reward_mean) / reward_std with the reward model's exported statistics
-    missing_eos_penalty: Optional[float] = None  # added to the score of a response that ended without EOS
-
-
-@dataclass
-class PPORolloutConfig:
-    prompts_per_step: int = 16  # global, per iteration (trainer.max_steps counts iterations)
-    n_samples_per_prompt: int = 1  # GRPO: the group size (>= 2)
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    use_cache: bool = True  # the KV cache during generation (the benchmark measures without it)
-    eval_max_new_tokens: Optional[int] = None  # greedy held-out generation; null: max_new_tokens
-
-
-@dataclass
-class PPOKLConfig:
-    coef: float = 0.05  # β
-    estimator: str = "k1"  # k1 | k2 | k3 (Schulman): per-token estimate of KL(π || π_ref)
-    in_reward: bool = True  # true: r_t -= β·KL_t (PPO); false: β·KL as a loss term (GRPO)
-    target: Optional[float] = None  # adaptive controller (Ziegler et al.): the per-sequence KL to hold
-    horizon: int = 10000  # samples over which the adaptive coefficient moves
-
-
-@dataclass
-class PPOConfig:
-    """stage=ppo / stage=grpo: one trainer step = one rollout + ppo.epochs passes over it in mini-batches."""
-    actor: PPORoleConfig = field(default_factory=PPORoleConfig)
-    critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
-    reward: PPORewardConfig = field(default_factory=PPORewardConfig)
-    rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
-    kl: PPOKLConfig = field(default_factory=PPOKLConfig)
-    advantage: str = "gae"  # gae (critic) | grpo (group-relative, no critic)
-    epochs: int = 1
-    mini_batch_size: int = 16  # sequences per optimizer step, global
-    clip_eps: float = 0.2
-    value_clip_eps: Optional[float] = 0.2  # null: unclipped value loss
-    value_coef: float = 1.0  # the critic's loss scale (its own optimizer: only its lr-relative size matters)
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
+    name: str = "???"  # one of the stages in llmtrain.stages.registry (conf/config.yaml picks the default)
 
 
 @dataclass
@@ -250,53 +143,40 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    backend: BackendConfig = field(default_factory=BackendConfig)
+    backend: BackendNode = field(default_factory=BackendNode)
     stage: StageConfig = field(default_factory=StageConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-def register_schema() -> None:
-    ConfigStore.instance().store(name="schema", node=RunConfig)
-
-
-CHOICES = {
+CHOICES = {  # the schema's own fields; the registries' names (stage, backend, data.format, peft ...) are theirs
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "device": ("auto", "cpu", "cuda"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.format": ("text", "prompt_response", "alpaca", "messages", "preference", "prompt"),
     "data.overlong": ("truncate", "drop", "chunk"),
-    "backend.name": ("ddp", "deepspeed", "fsdp2"),
-    "stage.name": ("pretrain", "sft", "reward", "dpo", "ppo", "grpo"),
-    "dpo.loss": ("sigmoid", "ipo"),
-    "ppo.advantage": ("gae", "grpo"),
-    "ppo.kl.estimator": ("k1", "k2", "k3"),
-    "ppo.critic.init": ("policy", "reward"),
-    "peft.name": ("none", "lora"),
 }
-SFT_FORMATS = ("prompt_response", "alpaca", "messages")
-PAIR_STAGES = ("reward", "dpo")
-RL_STAGES = ("ppo", "grpo")  # one stage: grpo presets ppo.advantage=grpo (conf/stage/grpo.yaml)
-PROMPT_FORMATS = ("prompt", "prompt_response", "messages")  # where an RL stage finds its prompts
+OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
 
 
-def _get(cfg: Any, dotted: str) -> Any:
+def get_field(cfg: Any, dotted: str) -> Any:
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
 
 
-def config_problems(cfg: Any, world_size: int) -> list[str]:
-    """Every problem with the config that can be found without the model or the data."""
+def choice_problems(cfg: Any, choices: dict[str, tuple]) -> list[str]:
     problems = []
-    for name, allowed in CHOICES.items():
-        value = _get(cfg, name)
+    for name, allowed in choices.items():
+        value = get_field(cfg, name)
         if value not in allowed:
             problems.append(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return problems
+
+
+def schema_problems(cfg: Any) -> list[str]:
+    """The problems of the schema's own fields (trainer, optim, model, data), without model, data or registries."""
+    problems = choice_problems(cfg, CHOICES)
     t, o, d, m = cfg.trainer, cfg.optim, cfg.data, cfg.model
     positive = {"trainer.max_steps": t.max_steps, "trainer.micro_batch_size": t.micro_batch_size,
                 "trainer.grad_accum_steps": t.grad_accum_steps, "data.max_seq_len": d.max_seq_len,
@@ -323,72 +203,10 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= d.eval_fraction < 1:
         problems.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
-    problems += _batch_problems(t, data_parallel_size=data_parallel_size(cfg.backend, world_size))
-    problems += _source_problems(cfg)
-    problems += backend_config_problems(cfg.backend, world_size)
-    problems += stage_problems(cfg, data_parallel_size(cfg.backend, world_size))
-    from llmtrain.models.lora_checks import peft_problems, qlora_problems
-
-    problems += peft_problems(cfg.peft, cfg.backend, cfg.stage.name)
-    problems += qlora_problems(cfg)
-    return problems
+    return problems + _source_problems(cfg)
 
 
-OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
-# Stages whose frozen reference is, under peft=lora, the policy with its adapters disabled (RoleSpec.adapter_off_of).
-ADAPTER_REFERENCE_STAGES = {"dpo", "ppo", "grpo"}
-
-
-def stage_problems(cfg: Any, dp: int = 1) -> list[str]:
-    """The chosen stage's own fields, and what it needs from data and model (`dp`: the data-parallel size)."""
-    name, d = cfg.stage.name, cfg.data
-    problems = []
-    if name in PAIR_STAGES:
-        if d.format != "preference":
-            problems.append(f"stage {name} trains on pairs: data.format={d.format!r} must be preference (rows with "
-                            "chosen and rejected, and optionally prompt)")
-        if d.packing:
-            problems.append(f"stage {name}: data.packing=true packs single sequences; pairs are not packed: "
-                            "set data.packing=false")
-        if cfg.model.dropout > 0:
-            problems.append(f"stage {name} runs every forward without dropout (as TRL does: the chosen and rejected "
-                            f"scores must come from the same function): model.dropout={cfg.model.dropout} must be 0")
-    if name in RL_STAGES:
-        from llmtrain.stages.ppo.checks import ppo_problems
-
-        problems += ppo_problems(cfg, name, dp)
-    if name == "reward" and cfg.reward.center_coef < 0:
-        problems.append(f"reward.center_coef={cfg.reward.center_coef} must be >= 0")
-    if name == "dpo":
-        if not cfg.dpo.beta > 0:
-            problems.append(f"dpo.beta={cfg.dpo.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
-        if not 0 <= cfg.dpo.label_smoothing < 0.5:
-            problems.append(f"dpo.label_smoothing={cfg.dpo.label_smoothing} must be in [0, 0.5)")
-        if cfg.dpo.loss == "ipo" and cfg.dpo.label_smoothing > 0:
-            problems.append("dpo.label_smoothing applies to dpo.loss=sigmoid only: set it to 0 with ipo")
-    return problems
-
-
-def data_parallel_size(backend: BackendConfig, world_size: int) -> int:
-    """Ranks that see different data (tensor-parallel peers share theirs), from the run's ParallelDims;
-    for degrees that do not fit the world (reported by the backend check) world // tp."""
-    from llmtrain.parallel import ParallelDims
-
-    degrees = ParallelDims.degrees(backend)
-    if ParallelDims.problems(*degrees, world_size):
-        return max(1, world_size // max(1, degrees[2]))
-    return ParallelDims.build(*degrees, world_size).dp_size
-
-
-def backend_config_problems(backend: BackendConfig, world_size: int) -> list[str]:
-    """The chosen backend's own checks (pure Python, no backend library imported)."""
-    from llmtrain.backends.checks import BACKEND_CONFIG_CHECKS
-
-    check = BACKEND_CONFIG_CHECKS.get(backend.name)
-    return check(backend, world_size) if check else []
-
-
-def _batch_problems(t: TrainerConfig, data_parallel_size: int) -> list[str]:
+def batch_problems(t: TrainerConfig, data_parallel_size: int) -> list[str]:
     derived = t.micro_batch_size * t.grad_accum_steps * data_parallel_size
     if t.global_batch_size is not None and t.global_batch_size != derived:
         return [
@@ -419,16 +237,4 @@ def _source_problems(cfg: Any) -> list[str]:
     if d.overlong == "chunk" and d.format != "text":
         problems.append(f"data.overlong=chunk splits plain text into rows; a {d.format} sample cut in two loses "
                         f"its prompt or response: use data.overlong=truncate or drop")
-    if cfg.stage.name == "sft" and d.format not in SFT_FORMATS:
-        problems.append(f"stage sft trains on responses only: data.format={d.format!r} must be one of "
-                        f"{', '.join(SFT_FORMATS)} (use stage=pretrain for plain text)")
-    if cfg.stage.name == "pretrain" and d.format != "text":
-        problems.append(f"stage pretrain trains on every token: data.format={d.format!r} must be text "
-                        "(use stage=sft for prompt/response data)")
     return problems
-
-
-def validate(cfg: Any, world_size: int) -> None:
-    problems = config_problems(cfg, world_size)
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -3,7 +3,7 @@ examples tokenised exactly as the run tokenised them, scored one sample (or pair
 
     run = FinishedRun("runs/sft_tiny")
     samples = run.token_losses()        # SFT / pretrain: per-token loss of every held-out sample
-    pairs = run.pair_rewards()          # reward model or DPO: r_chosen, r_rejected of every held-out pair
+    pairs = run.pair_rewards()          # preference stages: r_chosen, r_rejected of every held-out pair
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from llmtrain.data.collate import Batch, collate
-from llmtrain.losses.dpo import AVERAGED_LOGPS, sequence_logps, token_logps
+from llmtrain.losses.dpo import sequence_logps, token_logps
 from llmtrain.losses.lm import IGNORE_INDEX
-
-PREFERENCE_STAGES = ("reward", "dpo")
+from llmtrain.stages.registry import load_stage_data, stage_spec, stage_specs
 
 
 @dataclass
@@ -61,6 +60,7 @@ class FinishedRun:
             raise FileNotFoundError(f"{config} is missing: {self.dir} is not an llmtrain run directory")
         self.cfg: DictConfig = OmegaConf.load(config)
         self.stage = self.cfg.stage.name
+        self.spec = stage_spec(self.stage)
 
     def export_dir(self) -> Path:
         export = self.dir / "hf"
@@ -92,16 +92,15 @@ class FinishedRun:
 
     def held_out(self, tokenizer):
         """The run's eval examples (its train examples if it had none), unpacked: one sample or pair each."""
-        from llmtrain.run import load_data
-
         cfg = OmegaConf.merge(self.cfg, {"data": {"packing": False}})
-        data = load_data(cfg, tokenizer)
+        data = load_stage_data(cfg, tokenizer)
         return data.eval if data.eval is not None else data.train
 
     @torch.no_grad()
     def token_losses(self, batch_size: int = 32) -> list[TokenLosses]:
-        if self.stage not in ("sft", "pretrain"):
-            raise ValueError(f"token losses are for the sft and pretrain stages; this run is stage={self.stage}")
+        if not self.spec.token_losses:
+            raise ValueError(f"token losses are for the {_stages_with('token_losses')} stages; this run is "
+                             f"stage={self.stage}")
         tokenizer, model = self.tokenizer(), self.model()
         samples = []
         for rows in chunks(self.held_out(tokenizer), batch_size):
@@ -116,11 +115,11 @@ class FinishedRun:
 
     @torch.no_grad()
     def pair_rewards(self, batch_size: int = 32) -> list[PairReward]:
-        if self.stage not in PREFERENCE_STAGES:
-            raise ValueError(f"pair rewards are for the {' and '.join(PREFERENCE_STAGES)} stages; this run is "
+        if self.spec.pair_scores is None:
+            raise ValueError(f"pair rewards are for the {_stages_with('pair_scores')} stages; this run is "
                              f"stage={self.stage}")
         tokenizer = self.tokenizer()
-        score = self._reward_model_scores() if self.stage == "reward" else self._dpo_rewards()
+        score = self._reward_model_scores() if self.spec.pair_scores == "scalar" else self._implicit_rewards()
         pairs = []
         for rows in chunks(self.held_out(tokenizer), batch_size):
             sides = [{"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]}
@@ -140,16 +139,21 @@ class FinishedRun:
 
         return score
 
-    def _dpo_rewards(self):
-        policy, reference = self.model(), self.initial_model()
-        beta, averaged = self.cfg.dpo.beta, self.cfg.dpo.loss in AVERAGED_LOGPS
+    def _implicit_rewards(self):
+        """β · (log π − log π_ref) of each response (DPO), or β · log π without a reference (SimPO, ORPO)."""
+        how = self.spec.implicit_reward(self.cfg)
+        models = (self.model(), self.initial_model()) if how.reference else (self.model(),)
 
         def score(batch: Batch) -> torch.Tensor:
-            policy_logps, reference_logps = (sequence_logps(model(**batch.model_inputs()).logits, batch.labels,
-                                                            average=averaged) for model in (policy, reference))
-            return beta * (policy_logps - reference_logps)
+            logps = [sequence_logps(model(**batch.model_inputs()).logits, batch.labels, average=how.averaged)
+                     for model in models]
+            return how.beta * (logps[0] - logps[1] if how.reference else logps[0])
 
         return score
+
+
+def _stages_with(hook: str) -> str:
+    return ", ".join(name for name, spec in stage_specs().items() if getattr(spec, hook))
 
 
 def chunks(examples, size: int):

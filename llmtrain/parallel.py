@@ -10,11 +10,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import sys
 import time
-import socket
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -195,7 +194,16 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-# ---- FSDP2 / tensor-parallel layout --------------------------------------------------------------
+# ---- the layout: named dimensions and their device meshes ------------------------------------------
+
+# The dimensions a run's world splits into, outermost first (the device mesh's order): tp innermost, so TP peers
+# are adjacent ranks (on a node: NVLink). A new dimension (pp, cp, ep) is a name here, a field of ParallelDims,
+# a degree a backend's config may set, and a column of the planner.
+DIMS = ("dp_replicate", "dp_shard", "tp")
+# Dimensions no backend has yet: named so a `backend.pp=2` gets a message that says so.
+PLANNED_DIMS = {"pp": "pipeline stages", "cp": "context parallelism", "sp": "sequence parallelism",
+                "ep": "expert parallelism"}
+
 
 def _degrees(dp_replicate: int, dp_shard: int, tp: int) -> str:
     return f"backend.dp_replicate={dp_replicate} × backend.dp_shard={dp_shard} × backend.tp={tp}"
@@ -206,14 +214,21 @@ class ParallelDims:
     """How the world splits: world = dp_replicate × dp_shard × tp (torchtitan's layout, innermost tp).
 
     dp_replicate: HSDP replica groups (gradients all-reduced between them); dp_shard: ranks that shard
-    parameters, gradients and optimizer state (FSDP); tp: tensor-parallel peers, which read the SAME
-    examples. `dp_shard=-1` takes whatever world size is left. Every error prints every degree.
+    parameters, gradients and optimizer state (FSDP; DDP and DeepSpeed: every rank, (1, world, 1)); tp:
+    tensor-parallel peers, which read the SAME examples. `dp_shard=-1` takes whatever world size is left.
+    Every error prints every degree.
+
+    One per run, owned by the backend object that wraps every role: its device meshes are built once, on first
+    use (`mesh(name)`), on `device_type`, and handed out by name to every engine. `device_type=None`: arithmetic
+    only (the checks, the planner).
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    device_type: str | None = None
+    _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
     def problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> list[str]:
@@ -236,21 +251,9 @@ class ParallelDims:
                     "(nnodes × nproc_per_node); set backend.dp_shard=-1 to infer it or change the degrees"]
         return []
 
-    @staticmethod
-    def degrees(backend: Any) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, tp) a backend config asks for: FSDP2 reads its fields; DDP and DeepSpeed
-        are pure data parallel over the world (1, -1, 1)."""
-        if backend.name == "fsdp2":
-            return backend.dp_replicate, backend.dp_shard, backend.tp
-        return 1, -1, 1
-
     @classmethod
-    def from_backend(cls, backend: Any, world_size: int) -> "ParallelDims":
-        """The one place a run's layout (and so its data-parallel size) is computed."""
-        return cls.build(*cls.degrees(backend), world_size)
-
-    @classmethod
-    def build(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> "ParallelDims":
+    def build(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int,
+              device_type: str | None = None) -> ParallelDims:
         from llmtrain.config import ConfigError
 
         problems = cls.problems(dp_replicate, dp_shard, tp, world_size)
@@ -258,7 +261,11 @@ class ParallelDims:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
         if dp_shard == -1:
             dp_shard = world_size // (dp_replicate * tp)
-        return cls(dp_replicate, dp_shard, tp, world_size)
+        return cls(dp_replicate, dp_shard, tp, world_size, device_type)
+
+    def on(self, device_type: str) -> ParallelDims:
+        """The same layout with its meshes on `device_type` (none built yet)."""
+        return replace(self, device_type=device_type)
 
     def model_problems(self, *, model_type: str, num_heads: int, num_kv_heads: int,
                        intermediate_size: int | None) -> list[str]:
@@ -271,6 +278,10 @@ class ParallelDims:
                 for name, value in sizes.items() if value and value % self.tp]
 
     @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIMS}
+
+    @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -279,20 +290,45 @@ class ParallelDims:
         """The mesh dims fully_shard gets: ("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP."""
         return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
 
-    def build_mesh(self, device_type: str):
-        """Named DeviceMesh, tp innermost (adjacent ranks: on a node, TP traffic stays on NVLink).
+    def data_parallel(self, rank: int) -> tuple[int, int, object]:
+        """(dp_rank, dp_size, dp_group) of this rank: which examples it reads, among how many ranks, and the group
+        its loss and token sums are reduced over. Every rank its own data (no tp, no replicas): the world (group
+        None), no mesh needed; otherwise the "dp" mesh."""
+        if self.dp_size == self.world_size and self.dp_replicate == 1:
+            return rank, self.world_size, None
+        mesh = self.mesh("dp")
+        return mesh.get_local_rank(), mesh.size(), mesh.get_group()
 
-        dp_shard is always a dim (size 1 is fine: fully_shard then only keeps its DTensor bookkeeping);
-        dp_replicate and tp only when > 1. Flattened views: "dp" (ranks that read different data:
-        the data sampler's coordinates and the loss reduction) and, with tp, "dp_shard_tp" so a norm
-        that is partial over both dims is one all-reduce instead of two.
-        """
+    def mesh(self, name: str):
+        """A device mesh by name, from the world mesh built once: "world"; a dimension ("dp_shard" always,
+        "dp_replicate" and "tp" when > 1); "dp" (ranks that read different data: the sampler's coordinates and
+        the loss reduction); "fsdp" (what fully_shard shards over: dp_shard, or (dp_replicate, dp_shard) for
+        HSDP); "dp_shard_tp" (with tp: a norm partial over both dims is one all-reduce instead of two)."""
+        if name not in self._meshes:
+            self._meshes[name] = self._make_mesh(name)
+        return self._meshes[name]
+
+    def _make_mesh(self, name: str):
+        if name == "world":
+            return self._build_world_mesh()
+        world = self.mesh("world")
+        names = {"dp": "dp" if self.dp_replicate > 1 else "dp_shard", "fsdp": self.dp_dim_names}.get(name, name)
+        available = (*world.mesh_dim_names, *(("dp",) if self.dp_replicate > 1 else ()),
+                     *(("dp_shard_tp",) if self.tp > 1 else ()))
+        if any(n not in available for n in ((names,) if isinstance(names, str) else names)):
+            raise ValueError(f"no {name!r} mesh in this layout ({self}); meshes: world, fsdp, {', '.join(available)}")
+        return world[names]
+
+    def _build_world_mesh(self):
+        """Named DeviceMesh, tp innermost; dp_shard is always a dim (size 1 is fine: fully_shard then only keeps its
+        DTensor bookkeeping), dp_replicate and tp only when > 1, and the flattened views "dp" (with replicas) and
+        "dp_shard_tp" (with tp). A collective: every rank builds it, once."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.device_type is None:
+            raise ValueError(f"ParallelDims({self}) has no device type: build it with .on(device_type) for meshes")
         names = (*self.dp_dim_names, *(("tp",) if self.tp > 1 else ()))
-        shape = tuple({"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}[n]
-                      for n in names)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh = init_device_mesh(self.device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
         if self.dp_replicate > 1:
             mesh[self.dp_dim_names]._flatten("dp")
         if self.tp > 1:

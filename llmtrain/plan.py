@@ -2,7 +2,7 @@
 what a run would cost per rank on a cluster, from the resolved config and the model on the meta device (no
 weights, seconds). `dry_run=true` of `python -m llmtrain` prints the same for the current world.
 
-Per role (`stages.stage_roles`) and backend: weights, gradients, optimizer state, gathered copies
+Per role (`stages.registry.stage_roles`) and backend: weights, gradients, optimizer state, gathered copies
 (`metrics/cost.py`, as each backend really holds them), activations and logits at the micro-batch, the total
 against the device memory, the largest micro-batch that fits, communication per step and the step time at
 `plan.mfu`. FLOPs convention: M counts every parameter, the input embedding (a lookup, no matmul: an
@@ -18,18 +18,22 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from llmtrain.config import ADAPTER_REFERENCE_STAGES, PAIR_STAGES, ConfigError
+from llmtrain.backends import compared_presets, spec_of
+from llmtrain.config import ConfigError
 from llmtrain.metrics.cost import (GIB, Collective, Layout, RoleParams, StateBytes, activation_bytes,
                                    activation_bytes_per_layer, communication, gated_activation_bytes_per_layer,
-                                   logits_bytes, state_bytes, step_seconds, zero3_regathered)
+                                   logits_bytes, state_bytes, step_seconds)
 from llmtrain.metrics.devices import Gpu, resolve_gpu
+from llmtrain.metrics.comm import planned
 from llmtrain.metrics.flops import human, training_flops_per_token
+from llmtrain.metrics.live import PlanFigures
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
 from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
-from llmtrain.stages import SCALAR_HEAD_ROLES
+from llmtrain.stages.registry import stage_roles, stage_spec
+from llmtrain.validation import data_parallel_size, validate
 
-COMPARED = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_tp")
+COMPARED = compared_presets()  # plan.compare_backends: each backend descriptor's rows
 USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets, fragmentation take the rest
 
 
@@ -45,43 +49,30 @@ def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, v
         t, f = 0, 0
     numels = [*facts.numels, facts.hidden] if scalar_head else facts.numels  # the LM head is never persistent
     persistent = sum(n for n in numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
-    root = facts.params - facts.layers * facts.block  # embeddings, final norm, head: FSDP2's root group
-    working = 2 * facts.block + (root if layout.library == "fsdp2" else max(facts.embed, facts.head))
-    regathered = None  # ZeRO-3 (a block's few persistent norm weights counted in: < 0.01 % of a 7B block)
-    if layout.library == "deepspeed" and layout.stage == 3 and (t or f):
-        regathered = zero3_regathered(facts.layers, facts.block, facts.embed, facts.head)
+    working, regathered = layout.backend.gathers(layout, facts)  # at once; again in backward (ZeRO-3's trace)
+    regathered = regathered if t or f else None
     return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=facts.tp_params / facts.params,
                       working=working, regathered=regathered, block_fraction=facts.layers * facts.block / facts.params)
 
 
 def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
-    """A Layout from a backend config node; ConfigError when its degrees do not fit the world."""
-    from llmtrain.parallel import ParallelDims
-
-    dims = ParallelDims.from_backend(backend, world)
-    ds = backend.name == "deepspeed"
-    threshold = backend.stage3_param_persistence_threshold
-    return Layout(name=name, library=backend.name,
-                  stage={"ddp": 0, "fsdp2": 3}.get(backend.name, backend.zero_stage), dp=dims.dp_size, tp=dims.tp,
-                  offload_optimizer=backend.offload_optimizer.device if ds else "none",
-                  offload_param=backend.offload_param.device if ds else ("cpu" if backend.cpu_offload else "none"),
-                  persistence_threshold=(10 * hidden if threshold == "auto" else int(threshold)) if ds else 0,
-                  reshard_after_forward=backend.name != "fsdp2" or backend.reshard_after_forward)
+    """A Layout from a backend config node (its descriptor's `layout` on its ParallelDims); ConfigError when its
+    degrees do not fit the world."""
+    spec = spec_of(backend)
+    return spec.layout(name, backend, spec.parallel_dims(backend, world), hidden)
 
 
 def row_name(backend) -> str:
-    if backend.name != "deepspeed":
-        return "fsdp2_tp" if backend.name == "fsdp2" and backend.tp > 1 else backend.name
-    offload = backend.offload_optimizer.device != "none" or backend.offload_param.device != "none"
-    return f"zero{backend.zero_stage}" + ("_offload" if offload else "")
+    """The preset a backend config node is (its descriptor says): the row's name."""
+    return spec_of(backend).row_name(backend)
 
 
 def preset_backends() -> dict:
     """The shipped presets compared (conf/backend/NAME.yaml composed onto the schema)."""
     from hydra import compose, initialize_config_dir
 
-    from llmtrain.compose import conf_dir
-    from llmtrain.config import register_schema
+    from llmtrain.paths import conf_dir
+    from llmtrain.schema import register_schema
 
     register_schema()
     with initialize_config_dir(str(conf_dir()), version_base=None):
@@ -107,6 +98,7 @@ class Setting:
     mfu: float
     logits_vocab: int  # V, or 1 for a reward model's score
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
+    scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
 
 
 @dataclass
@@ -148,7 +140,7 @@ def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 <
 
 def plan_row(st: Setting, layout: Layout) -> Row:
     f, on_gpu = st.facts, st.gpu.name != "cpu"
-    params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in SCALAR_HEAD_ROLES), trainable)
+    params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads), trainable)
               for role, trainable in st.roles.items()}
     states = {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
     fixed = sum(s.device for s in states.values())
@@ -193,17 +185,18 @@ def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
 
 
 def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
-    from llmtrain.stages import stage_roles
-
     attn = cfg.model.attn_implementation
     lora = lora_trainable(cfg)
-    views = frozenset({"reference"} if lora and cfg.stage.name in ADAPTER_REFERENCE_STAGES else ())
-    return Setting(facts=facts, roles=dict(stage_roles(cfg.stage.name, cfg)), lora=lora, views=views,
-                   precision=precision, gpu=gpu, world=world, micro=cfg.trainer.micro_batch_size,
-                   accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
-                   rows_per_sample=2 if cfg.stage.name in PAIR_STAGES else 1,
-                   checkpointing=cfg.model.activation_checkpointing, scores=attn == "eager", mfu=cfg.plan.mfu,
-                   logits_vocab=1 if cfg.stage.name == "reward" else facts.vocab, rl=RLIteration.from_config(cfg))
+    spec, roles = stage_spec(cfg.stage.name), stage_roles(cfg)
+    views = frozenset(role for role, r in roles.items() if lora and r.adapter_off_of)
+    scalar_heads = frozenset(role for role, r in roles.items() if r.head == "scalar")
+    trainable_scalar = all(r.head == "scalar" for r in roles.values() if r.trainable)
+    return Setting(facts=facts, roles={role: r.trainable for role, r in roles.items()}, scalar_heads=scalar_heads,
+                   lora=lora, views=views, precision=precision, gpu=gpu, world=world,
+                   micro=cfg.trainer.micro_batch_size, accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
+                   rows_per_sample=spec.sequences_per_sample, checkpointing=cfg.model.activation_checkpointing,
+                   scores=attn == "eager", mfu=cfg.plan.mfu, logits_vocab=1 if trainable_scalar else facts.vocab,
+                   rl=RLIteration.from_config(cfg))
 
 
 def _size(value: float) -> str:
@@ -294,29 +287,18 @@ def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
 
 def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts) -> tuple[list[Layout], list[str]]:
     """Every preset that fits this world and model, and a note per one that does not."""
-    from llmtrain.config import backend_config_problems
     from llmtrain.models.lora_checks import peft_problems
+    from llmtrain.validation import backend_problems
 
     layouts, notes = [], []
     for name, backend in preset_backends().items():
-        problems = backend_config_problems(backend, world) + peft_problems(cfg.peft, backend)
-        if not problems and backend.name == "fsdp2" and backend.tp > 1:
-            problems = _tp_problems(backend, world, facts)
+        problems = backend_problems(backend, world) + peft_problems(cfg.peft, backend)
+        problems = problems or spec_of(backend).plan_problems(backend, world, facts)
         if problems:
             notes.append(f"{name}: left out ({'; '.join(problems)})")
             continue
         layouts.append(layout_of(name, backend, world, facts.hidden))
     return layouts, notes
-
-
-def _tp_problems(backend, world: int, facts: ModelFacts) -> list[str]:
-    from llmtrain.parallel import ParallelDims
-
-    if not facts.tp_params:
-        return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
-    return ParallelDims.from_backend(backend, world).model_problems(
-        model_type=facts.model_type, num_heads=facts.heads, num_kv_heads=facts.kv_heads,
-        intermediate_size=facts.intermediate)
 
 
 def plan_precision(cfg: DictConfig, gpu: Gpu) -> str:
@@ -352,11 +334,44 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
     return lines
 
 
-def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
-    """dry_run=true: the run's own summary lines, then the plan of its backend on this world and device."""
-    from llmtrain.config import data_parallel_size
-    from llmtrain.run import batch_arithmetic
+def batch_arithmetic(cfg: DictConfig, world: int) -> str:
+    """The global batch of one step, in the stage's units, over this world's data-parallel size."""
+    t, spec = cfg.trainer, stage_spec(cfg.stage.name)
+    dp = data_parallel_size(cfg.backend, world)
+    if spec.rl_shape is not None:
+        it = spec.rl_shape(cfg)
+        return (f"one step: {it.prompts_per_step} prompts × {it.samples_per_prompt} samples = {it.samples} "
+                f"sequences (≤ {it.max_new_tokens} new tokens each) over dp {dp}, then {it.epochs} epoch(s) of "
+                f"mini-batches of {it.mini_batch}: {it.epochs * (it.samples // max(it.mini_batch, 1))} optimizer "
+                f"steps per step (the lr schedule counts these), forwards of {t.micro_batch_size} sequences per rank")
+    rows = t.micro_batch_size * t.grad_accum_steps * dp
+    unit = "pairs" if spec.pairs else "rows"  # a pair is two sequences in one forward
+    return (f"global batch {rows} {unit} = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
+            f"{t.grad_accum_steps} × dp {dp} (≤ {rows * cfg.data.max_seq_len * spec.sequences_per_sample} tokens at "
+            f"max_seq_len {cfg.data.max_seq_len})")
 
+
+def check_backend_against_model(cfg: DictConfig, world: int) -> None:
+    """The backend's checks that need the model's architecture (heads, kv-heads: config.json, no weights)."""
+    from llmtrain.backends import backend_model_problems
+    from llmtrain.models.load import model_config
+
+    m = cfg.model
+    problems = backend_model_problems(cfg.backend, world, lambda: model_config(
+        m.name_or_path, m.from_config, m.config_path, m.trust_remote_code))
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The planner's view of one run, computed once: the dry-run text and the figures the live cost compares with."""
+    text: str
+    figures: PlanFigures
+
+
+def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
+    """The run's own summary lines, then the plan of its backend on this world and device (dry_run=true prints it)."""
     facts = model_facts(cfg)
     gpu = resolve_gpu(cfg.plan, device.type, world)
     layout = layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)
@@ -367,7 +382,7 @@ def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
     # LoRA: the adapters (and modules_to_save copies) come on top of a base that is frozen whole: weights only
     trainable, frozen = (st.lora, facts.params) if st.lora else (facts.params, 0)
     state = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=dp, mixed_precision=mixed,
-                                frozen_elem_bytes=frozen_elem_bytes(cfg.backend.name, mixed))
+                                frozen_elem_bytes=frozen_elem_bytes(spec_of(cfg.backend).frozen_in_compute_dtype, mixed))
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
              f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "
@@ -380,14 +395,34 @@ def describe_run(cfg: DictConfig, world: int, device, precision: str) -> str:
              f"{human(state, 'B', 1024)} per rank per trainable role (activations not included)",
              roles_summary(st, row), batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}", ""]
-    return "\n".join(lines + describe(cfg, world, gpu, precision, facts))
+    text = "\n".join(lines + describe(cfg, world, gpu, precision, facts))
+    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision))
+
+
+def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures:
+    """The planner's row for this run's backend, world and device, as the live cost compares with it."""
+    facts, elem = st.facts, 2 if precision in ("bf16", "fp16") else 4
+
+    def activations(rows: int, seq: int) -> float:
+        """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
+        as if all were alive at once)."""
+        return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
+                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads)
+                + logits_bytes(rows, seq, st.logits_vocab))
+
+    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
+    recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0
+    # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
+    return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
+                       gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
+                       flops_per_token=model, hardware_flops_per_token=model + recompute,
+                       peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
+                       comm=planned(row.comm))
 
 
 def plan_text(cfg: DictConfig) -> str:
     """`python -m llmtrain.plan`: validate for the planned world, then the plan."""
-    from llmtrain.config import validate
     from llmtrain.parallel import env_world_size, resolve_device
-    from llmtrain.run import check_backend_against_model
 
     world = cfg.plan.world_size or env_world_size()
     if world < 1:

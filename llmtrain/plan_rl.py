@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmtrain.config import RL_STAGES
 from llmtrain.metrics.cost import Collective, RoleParams, communication
 from llmtrain.metrics.flops import training_flops_per_token
+from llmtrain.stages.registry import stage_spec
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,12 @@ class RLIteration:
     @classmethod
     def from_config(cls, cfg) -> "RLIteration | None":
         """None for the stages whose step is one optimizer step."""
-        if cfg.stage.name not in RL_STAGES:
+        shape_of = stage_spec(cfg.stage.name).rl_shape
+        if shape_of is None:
             return None
-        from llmtrain.stages.ppo.build import old_logps_from_update
-
-        p = cfg.ppo
-        return cls(samples=p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt, mini_batch=p.mini_batch_size,
-                   epochs=p.epochs, micro=cfg.trainer.micro_batch_size, on_policy=old_logps_from_update(p))
+        shape = shape_of(cfg)
+        return cls(samples=shape.samples, mini_batch=shape.mini_batch, epochs=shape.epochs, micro=shape.micro,
+                   on_policy=shape.on_policy)
 
     @property
     def updates(self) -> int:
@@ -84,8 +83,8 @@ def rl_communication(roles: dict[str, tuple[RoleParams, bool]], layout, precisio
         if trainable:
             # ZeRO-3 keeps a block gathered for its backward only while the forward trace it recorded holds; the
             # generation and experience forwards between updates break it, so every backward gathers again
-            # (measured: tests/dist/test_ppo.py)
-            updated = replace(params, regathered=None) if layout.library == "deepspeed" else params
+            # (measured: tests/dist/test_ppo.py). Only ZeRO-3's figures have a `regathered` (backend.gathers).
+            updated = replace(params, regathered=None)
             out += [replace(c, what=f"{name} update: {c.what}", times=c.times * schedule.updates)
                     for c in communication(updated, layout, precision, accum=schedule.update_micro, **shape)]
         if not trainable or name != "actor" or schedule.actor_experience:

@@ -15,18 +15,20 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.config import PAIR_STAGES, RL_STAGES, ConfigError, data_parallel_size, validate
-from llmtrain.data.pipeline import build_data, eval_batches, train_batches
+from llmtrain.config import ConfigError
+from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.lora import LoraSettings
-from llmtrain.models.load import load_tokenizer, model_config, resolve_attn_implementation
+from llmtrain.models.load import load_tokenizer, resolve_attn_implementation
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
-from llmtrain.stages import build_stage
+from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
 from llmtrain.stages.base import trainable_roles
+from llmtrain.stages.registry import build_stage, load_stage_data, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
+from llmtrain.validation import validate
 
 log = logging.getLogger("llmtrain")
 
@@ -43,43 +45,6 @@ def check_run_dir(run_dir: Path, resume: str | None) -> None:
     if resume is None and ckpt.has_checkpoints(run_dir):
         raise ConfigError(f"output_dir={run_dir} already holds checkpoints: pass resume=auto to continue "
                           "that run, or another output_dir (nothing was overwritten)")
-
-
-def batch_arithmetic(cfg: DictConfig, world: int) -> str:
-    t = cfg.trainer
-    dp = data_parallel_size(cfg.backend, world)
-    if cfg.stage.name in RL_STAGES:
-        p = cfg.ppo
-        samples = p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt
-        return (f"one step: {p.rollout.prompts_per_step} prompts × {p.rollout.n_samples_per_prompt} samples = {samples} "
-                f"sequences (≤ {p.rollout.max_new_tokens} new tokens each) over dp {dp}, then {p.epochs} epoch(s) of "
-                f"mini-batches of {p.mini_batch_size}: {p.epochs * (samples // max(p.mini_batch_size, 1))} optimizer "
-                f"steps per step (the lr schedule counts these), forwards of {t.micro_batch_size} sequences per rank")
-    rows = t.micro_batch_size * t.grad_accum_steps * dp
-    unit = "pairs" if cfg.stage.name in PAIR_STAGES else "rows"  # a pair is two sequences in one forward
-    return (f"global batch {rows} {unit} = micro_batch_size {t.micro_batch_size} × grad_accum_steps "
-            f"{t.grad_accum_steps} × dp {dp} (≤ {rows * cfg.data.max_seq_len * (2 if unit == 'pairs' else 1)} tokens at max_seq_len "
-            f"{cfg.data.max_seq_len})")
-
-
-def describe_plan(cfg: DictConfig, world: int, device: torch.device, precision: str) -> str:
-    """The dry-run summary and the planner's table for this world (llmtrain/plan.py)."""
-    from llmtrain.plan import describe_run
-
-    return describe_run(cfg, world, device, precision)
-
-
-def check_backend_against_model(cfg: DictConfig, world: int) -> None:
-    from llmtrain.backends.checks import BACKEND_MODEL_CHECKS
-
-    check = BACKEND_MODEL_CHECKS.get(cfg.backend.name)
-    if check is None:
-        return
-    m = cfg.model
-    problems = check(cfg.backend, world, model_config(m.name_or_path, m.from_config, m.config_path,
-                                                     m.trust_remote_code))
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
 def optimizer_spec(cfg: DictConfig, updates_per_step: int = 1) -> OptimizerSpec:
@@ -106,10 +71,10 @@ def run(cfg: DictConfig) -> None:
     check_run_dir(run_dir, cfg.resume)
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
-    plan = describe_plan(cfg, world, device, precision)  # also validates model.from_config fields
+    plan = plan_run(cfg, world, device, precision)  # also validates model.from_config fields
     check_backend_against_model(cfg, world)
     if cfg.dry_run:
-        print(plan, flush=True)
+        print(plan.text, flush=True)
         return
     resume_dir = ckpt.find_resume_dir(cfg.resume, run_dir)
     ctx = init_distributed(cfg.device, cfg.trainer.collective_timeout_s)
@@ -119,22 +84,22 @@ def run(cfg: DictConfig) -> None:
         shutdown()
 
 
-def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, plan: str,
+def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, plan: RunPlan,
            resume_dir: Path | None) -> None:
     m, d, t = cfg.model, cfg.data, cfg.trainer
     if ctx.is_main:
-        log.info("plan:\n%s", plan)
+        log.info("plan:\n%s", plan.text)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
     attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
-    attn = getattr(stage, "attn_implementation", attn)  # PPO: left-padded prompts need a mask-reading attention
-    data = load_data(cfg, tokenizer)
+    attn = stage.attention(attn)  # PPO: left-padded prompts need a mask-reading attention
+    data = load_stage_data(cfg, tokenizer)
     if ctx.is_main:
         log.info("train data: %s", data.train_stats.summary())
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    updates_per_step = getattr(stage, "optimizer_steps_per_step", lambda: 1)()
+    updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed,
                             optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
@@ -145,7 +110,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     first = next(iter(engines.values()))
     dp_rank, dp_size = first.dp_rank, first.dp_size
     # examples per fetch and fetches per step on each rank (PPO: one fetch of this rank's share of the prompts)
-    per_fetch, fetches = getattr(stage, "fetch_layout", lambda dp: (t.micro_batch_size, t.grad_accum_steps))(dp_size)
+    per_fetch, fetches = stage.fetch_layout(t.micro_batch_size, t.grad_accum_steps, dp_size)
     settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=fetches,
                                global_batch_size=per_fetch * fetches * dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
@@ -161,7 +126,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             dp_size=dp_size, collate_fn=stage.collate),
         checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
         prepare_batch=batch_preparer(ctx.device, precision, attn),
-        live=live_cost(cfg, ctx, precision, engines, trainable_roles(stage.roles)))
+        live=live_cost(ctx, plan.figures, engines, trainable_roles(stage.roles)))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)
     trainer.sinks = _sinks(cfg, run_dir, trainer.step, resume_dir is not None, config_yaml) if ctx.is_main else []
@@ -174,21 +139,6 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             sink.close()
 
 
-def load_data(cfg: DictConfig, tokenizer):
-    d, t = cfg.data, cfg.trainer
-    if cfg.stage.name in RL_STAGES:
-        from llmtrain.data.prompts import build_prompt_data
-
-        return build_prompt_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
-                                 eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
-                                 max_prompt_len=d.max_seq_len - cfg.ppo.rollout.max_new_tokens, tokenizer=tokenizer,
-                                 seed=t.seed)
-    return build_data(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
-                      eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format,
-                      max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing, tokenizer=tokenizer,
-                      seed=t.seed, rename_columns=stage_column_renames(cfg))
-
-
 def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> None:
     """Every trainable role as a Hugging Face folder: the first in `hf/`, others in `<role>_hf/`, each with
     the tokenizer and whatever the stage adds to its config (a reward model's reward mean/std)."""
@@ -198,19 +148,13 @@ def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> 
         engines[role].export_hf(directory)
         if ctx.is_main:
             tokenizer.save_pretrained(directory)
-            extra = getattr(stage, "export_config", lambda role: {})(role)
+            extra = stage.export_config(role)
             if extra:
                 config_file = directory / "config.json"
                 config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **extra}, indent=2) + "\n")
             log.info("%s: Hugging Face export in %s", role, directory)
     if ctx.is_main:
         log.info("done: %d roles exported", len(trainable))
-
-
-def stage_column_renames(cfg: DictConfig) -> dict[str, str]:
-    """Data columns a stage reads under its own name (reward.margin_column -> margin)."""
-    column = cfg.reward.margin_column if cfg.stage.name == "reward" else None
-    return {column: "margin"} if column else {}
 
 
 def batch_preparer(device: torch.device, precision: str, attn_implementation: str):
@@ -242,6 +186,6 @@ def _sinks(cfg: DictConfig, run_dir: Path, start_step: int, resumed: bool, confi
     if w.enabled:
         sinks.append(WandbSink(project=w.project, name=w.name or run_dir.name, directory=Path(w.dir or run_dir),
                                mode=w.mode, entity=w.entity, tags=list(w.tags),
-                               config=yaml.safe_load(config_yaml), stage=cfg.stage.name,
+                               config=yaml.safe_load(config_yaml), group=stage_spec(cfg.stage.name).metric_group,
                                state_file=run_dir / "wandb.json", resumed=resumed))
     return sinks

@@ -42,10 +42,10 @@ class AdapterOffForward:
         finally:
             model.train(was_training)
 
-    def eval(self) -> "AdapterOffForward":
+    def eval(self) -> AdapterOffForward:
         return self
 
-    def train(self, mode: bool = True) -> "AdapterOffForward":
+    def train(self, mode: bool = True) -> AdapterOffForward:
         return self
 
 

@@ -39,7 +39,7 @@ class OptimizerSpec:
 
 
 class Engine(Protocol):
-    ctx: "DistContext"  # rank, world size, device
+    ctx: DistContext  # rank, world size, device
     module: torch.nn.Module  # call for forward (may be a wrapper)
     model: torch.nn.Module  # the underlying Hugging Face model
     trainable: bool  # False: wrapped with optim=None (no optimizer, no gradients, nothing checkpointed)
@@ -73,7 +73,7 @@ class Engine(Protocol):
 
 
 class Backend(Protocol):
-    dims: "ParallelDims"  # the run's layout, shared by every role this backend wraps
+    dims: ParallelDims  # the run's layout, shared by every role this backend wraps
 
     # Entered around model construction: DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init so
     # no rank ever holds the whole model (scoped: the next role is built as its own context says); FSDP2

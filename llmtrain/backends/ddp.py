@@ -12,9 +12,19 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_adamw,
-                                    build_scheduler, generation_mode, has_frozen_params, save_frozen, save_hf,
-                                    trainable_state_dict)
+from llmtrain.backends import dims_for
+from llmtrain.backends.base import (
+    OptimizerSpec,
+    ScaledOptimizerSteps,
+    autocast_dtype,
+    build_adamw,
+    build_scheduler,
+    generation_mode,
+    has_frozen_params,
+    save_frozen,
+    save_hf,
+    trainable_state_dict,
+)
 from llmtrain.parallel import DistContext, ParallelDims
 
 
@@ -36,9 +46,10 @@ def load_trainable(model: torch.nn.Module, state: dict) -> None:
 
 
 class DDPEngine(ScaledOptimizerSteps):
-    def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str):
+    def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
+                 dims: ParallelDims):
         self.ctx = ctx
-        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None  # ParallelDims(1, world, 1)
+        self.dp_rank, self.dp_size, self.dp_group = dims.data_parallel(ctx.rank)
         self.model = model.to(ctx.device)
         self.optim_spec = optim
         self.compute_dtype = autocast_dtype(precision)
@@ -112,8 +123,8 @@ class DDPEngine(ScaledOptimizerSteps):
 
 class DDPBackend:
     def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
-        self.ctx, self.precision = ctx, precision  # options: DDP has none
-        self.dims = ParallelDims.build(1, -1, 1, ctx.world_size)  # = ParallelDims.from_backend
+        self.ctx, self.precision = ctx, precision  # options: DDP has none but its name
+        self.dims = dims_for("ddp", options or {}, ctx)  # the run's one layout: every role's engine reads it
 
     def model_init_context(self):
         return contextlib.nullcontext()
@@ -122,4 +133,4 @@ class DDPBackend:
         return contextlib.nullcontext()
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> DDPEngine:
-        return DDPEngine(model, optim, self.ctx, self.precision)
+        return DDPEngine(model, optim, self.ctx, self.precision, self.dims)

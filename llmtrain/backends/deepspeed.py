@@ -28,13 +28,22 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.base import (OptimizerSpec, autocast_dtype, build_adamw, build_scheduler, generation_mode,
-                                    has_frozen_params, save_frozen, save_hf)
+from llmtrain.backends import dims_for
+from llmtrain.backends.base import (
+    OptimizerSpec,
+    autocast_dtype,
+    build_adamw,
+    build_scheduler,
+    generation_mode,
+    has_frozen_params,
+    save_frozen,
+    save_hf,
+)
 from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettings, build_ds_config
-from llmtrain.backends.deepspeed_ops import import_deepspeed, build_offload_adam, check_ops, warn_stale_build_locks
+from llmtrain.backends.deepspeed_memory import measure_model_states, storage_ledger
+from llmtrain.backends.deepspeed_ops import build_offload_adam, check_ops, import_deepspeed, warn_stale_build_locks
 from llmtrain.config import ConfigError
 from llmtrain.models.lora import is_peft
-from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
 from llmtrain.parallel import DistContext, ParallelDims, barrier
 
 log = logging.getLogger(__name__)
@@ -42,29 +51,13 @@ log = logging.getLogger(__name__)
 TAG = "ds"  # DeepSpeed's checkpoint tag inside our step folder: checkpoints/step_N/engine/ds/
 META = "llmtrain_meta.json"  # stage and dp size a checkpoint was saved with (for resharding)
 
-# What each tensor-holding attribute of DeepSpeed's ZeRO optimizers (0.19) is. Claimed in this order,
-# each storage once; anything left over is measured as "other" under its attribute name.
-DS_ROLES = (
-    ("params", ("bit16_groups_flat", "bit16_groups", "parallel_partitioned_bit16_groups", "fp16_groups",
-                "fp16_partitioned_groups_flat", "fp16_partitioned_groups", "persistent_parameters",
-                "lp_param_buffer", "param_groups_fp16_flat_cpu_memory")),
-    ("master", ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                "fp32_groups_flat_partition",  # BF16_Optimizer (ZeRO-1 under bf16)
-                "fp32_groups")),  # FP16_UnfusedOptimizer (ZeRO-0 under bf16/fp16)
-    ("grads", ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer", "offload_gradient_dict",
-               "all_grad_tensors", "fp32_groups_gradients_flat")),
-    ("buffers", ("ipg_buckets", "ipg_buffer", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
-                 "param_buffer_of_bit16_for_cpu_offload_groups", "norm_for_param_grads", "_global_grad_norm",
-                 "inf_or_nan_tracker", "grad_position", "small_grad_partitions")),
-)
-
 
 class DeepSpeedEngine:
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
-                 settings: DeepSpeedSettings, ds_config: dict):
+                 settings: DeepSpeedSettings, ds_config: dict, dims: ParallelDims):
         deepspeed = import_deepspeed()
         self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
-        self.dp_rank, self.dp_size, self.dp_group = ctx.rank, ctx.world_size, None  # ParallelDims(1, world, 1)
+        self.dp_rank, self.dp_size, self.dp_group = dims.data_parallel(ctx.rank)  # ZeRO partitions over the world
         self.stage = settings.zero_stage
         self.trainable = optim is not None
         self.skips_nonfinite_grads = precision == "fp16"  # DeepSpeed's dynamic loss scaler skips overflows
@@ -122,7 +115,7 @@ class DeepSpeedEngine:
         # Undo what DeepSpeed applies: no 1/accumulation (scale_wrt_gas=False), × dp size for its average.
         self.ds.backward(loss * self.dp_size, scale_wrt_gas=False)
         if self._measuring:  # gradients exist between backward and step: their peak over the micro-batches
-            ledger = self._ledger()
+            ledger = storage_ledger(self.ds.optimizer, self.model)
             for role in ("grads", "buffers"):
                 self._grad_peak[role] = max(self._grad_peak.get(role, 0), ledger.bytes[role])
 
@@ -139,7 +132,9 @@ class DeepSpeedEngine:
         self.ds.step()
         self._step_applied = self.ds.was_step_applied()
         if self._measuring:
-            self._memory, self._measuring = self._measure(), False
+            self._memory = measure_model_states(self.ds, self.model, self.settings, self._grad_peak,
+                                                self.dp_size, self.ctx.is_main)
+            self._measuring = False
         if own is not None:
             return own
         norm = self.ds.get_global_grad_norm()
@@ -162,62 +157,6 @@ class DeepSpeedEngine:
         return self.optimizer.param_groups[0]["lr"]
 
     # ---- model-state bytes -----------------------------------------------------------------------
-    def _ledger(self) -> StorageLedger:
-        """Every tensor this rank holds for the model, by role, each storage once."""
-        ledger, opt = StorageLedger(), self.ds.optimizer
-        for p in self.model.parameters():
-            ledger.add("params", "module parameters", [p.data, getattr(p, "ds_tensor", None)])
-            ledger.add("grads", "module .grad", [p.grad])
-        for role, names in DS_ROLES:
-            for name in names:
-                value = getattr(opt, name, None)
-                if name == "ipg_buckets" and isinstance(value, dict):
-                    value = [vars(bucket) for bucket in value.values()]
-                ledger.add(role, name, value)
-        inner = getattr(opt, "optimizer", opt)  # the torch / DeepSpeedCPUAdam optimizer inside ZeRO
-        ledger.add("optim", "optimizer state", list(inner.state.values()))
-        for name, value in vars(opt).items():
-            if name not in ("optimizer", "param_names"):
-                ledger.add("other", name, value)
-        return ledger
-
-    def _measure(self) -> dict[str, float]:
-        ledger = self._ledger()
-        measured = {role: float(ledger.bytes[role]) for role in ("params", "master", "optim", "other")}
-        measured.update({role: float(max(self._grad_peak.get(role, 0), ledger.bytes[role]))
-                         for role in ("grads", "buffers")})
-        if ledger.bytes["other"]:
-            log.warning("model-state bytes: %d bytes in DeepSpeed attributes llmtrain does not classify: %s",
-                        ledger.bytes["other"], sorted(ledger.names["other"]))
-        s = self.settings
-        offload_opt, offload_param = s.offload_optimizer.device != "none", s.offload_param.device != "none"
-        host_roles = (("master", "optim") + (("grads",) if self.stage == 3 else ())) if offload_opt else ()
-        measured["host"] = sum(measured[r] for r in host_roles)
-        if offload_param and self.stage == 3:  # the weight partitions (ds_tensor) live in host memory
-            partitions = StorageLedger()
-            partitions.add("params", "ds_tensor", [getattr(p, "ds_tensor", None) for p in self.model.parameters()])
-            measured["host"] += partitions.bytes["params"]
-        numels = [getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad]
-        frozen = [getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if not p.requires_grad]  # LoRA
-        threshold = self.ds.zero_param_persistence_threshold()
-        persistent = sum(n for n in numels if n <= threshold) if self.stage == 3 else 0
-        expected = deepspeed_expected(num_params=sum(numels), persistent_params=persistent, stage=self.stage,
-                                      dp=self.dp_size, grad_accum_steps=s.grad_accum_steps,
-                                      offload_optimizer=offload_opt, offload_param=offload_param,
-                                      frozen_params=sum(frozen), frozen_persistent_params=sum(
-                                          n for n in frozen if n <= threshold) if self.stage == 3 else 0)
-        roles = ("params", "master", "grads", "optim")
-        report = {f"{r}_bytes": measured[r] for r in (*roles, "buffers", "other", "host")}
-        report.update({f"expected_{r}_bytes": expected[r] for r in (*roles, "host")})
-        report["total_bytes"] = sum(measured[r] for r in roles)
-        report["expected_total_bytes"] = sum(expected[r] for r in roles)
-        report["formula_16m_bytes"] = formula_16m(num_params=sum(numels), stage=self.stage, dp=self.dp_size)
-        if self.ctx.is_main:
-            log.info("model-state bytes on rank 0 (measured / expected): %s; host %d / %d; buckets apart %d",
-                     ", ".join(f"{r} {measured[r]:.0f} / {expected[r]:.0f}" for r in roles), measured["host"],
-                     expected["host"], measured["buffers"])
-        return report
-
     def model_state_bytes(self) -> dict[str, float] | None:
         """Measured after the first optimizer step (None before): params, fp32 master, grads (peak over the
         micro-batches), Adam state, host share, buckets apart; with the adjusted formula next to each."""
@@ -231,7 +170,8 @@ class DeepSpeedEngine:
                 yield self.model
             return
         if self.optimizer is None:
-            raise ValueError("deepspeed ZeRO-3: generation runs on a trainable engine (its hooks live in the optimizer)")
+            raise ValueError("deepspeed ZeRO-3: generation runs on a trainable engine (its hooks live in the "
+                             "optimizer)")
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         with unwrap_model_for_generation(self.ds), generation_mode(self.model):
@@ -347,7 +287,8 @@ class DeepSpeedEngine:
         state = self.gathered_state_dict() if self.stage == 3 or masters else None
         if self.ctx.is_main:
             save_hf(self.model, state, directory)
-            if masters and not is_peft(self.model):  # save_pretrained writes the module's dtype; from_pretrained's default ("auto") follows it
+            # save_pretrained writes the module's dtype; from_pretrained's default ("auto") follows it
+            if masters and not is_peft(self.model):
                 config = copy.deepcopy(self.model.config)
                 config.dtype = torch.float32
                 config.save_pretrained(directory)
@@ -376,7 +317,8 @@ class DeepSpeedEngine:
         if not self.ctx.is_main:
             return None
         persistent = set(self.model.state_dict())  # keys only: non-persistent buffers (rotary tables) are not saved
-        state.update({name: b.detach().to("cpu", copy=True) for name, b in self.model.named_buffers() if name in persistent})
+        state.update({name: b.detach().to("cpu", copy=True) for name, b in self.model.named_buffers()
+                      if name in persistent})
         return state
 
     def _zero0_masters(self) -> dict[int, torch.Tensor]:
@@ -405,7 +347,7 @@ class DeepSpeedBackend:
             warn_stale_build_locks()  # init_distributed below loads an op (on CPU: the shm communicator)
         # DeepSpeed's comm layer wraps the process group llmtrain already started (zero.Init needs it).
         import_deepspeed().init_distributed(dist_init_required=False, verbose=False)
-        self.dims = ParallelDims.build(1, -1, 1, ctx.world_size)  # = ParallelDims.from_backend
+        self.dims = dims_for("deepspeed", options or {}, ctx)  # the run's one layout: every role's engine reads it
 
     def ds_config(self, max_grad_norm: float, model: torch.nn.Module | None = None) -> dict:
         """`model` sizes the "auto" buckets; None before it exists (zero.Init), where they are left out."""
@@ -414,7 +356,7 @@ class DeepSpeedBackend:
         if model is not None and hidden is None and autos:
             raise ConfigError(f"{', '.join(autos)}=auto size DeepSpeed's buckets from the model's hidden_size, which "
                               f"{type(model).__name__}'s config lacks: set them to integers (elements)")
-        return build_ds_config(self.settings, dp_size=self.ctx.world_size, precision=self.precision,
+        return build_ds_config(self.settings, dp_size=self.dims.dp_size, precision=self.precision,
                                max_grad_norm=max_grad_norm, hidden_size=hidden)
 
     def _write_config(self, config: dict) -> None:
@@ -453,4 +395,4 @@ class DeepSpeedBackend:
         config = self.ds_config(max_grad_norm=optim.max_grad_norm if optim is not None else 0.0, model=model)
         if optim is not None:
             self._write_config(config)
-        return DeepSpeedEngine(model, optim, self.ctx, self.precision, self.settings, config)
+        return DeepSpeedEngine(model, optim, self.ctx, self.precision, self.settings, config, self.dims)

@@ -12,11 +12,43 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
-from llmtrain.config import BackendConfig
+from llmtrain.config import BackendNode
 
-_SCHEMA = BackendConfig()
+
+@dataclass
+class OffloadConfig:
+    device: str = "none"  # none | cpu | nvme
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+
+
+@dataclass
+class DeepSpeedConfig(BackendNode):
+    """`backend=deepspeed` (and its presets zero0..zero3, zero3_offload): the DeepSpeed backend's typed group."""
+    name: str = "deepspeed"
+    zero_stage: int = 0
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    # Sizes in elements, "auto" or an int. "auto" follows the model's hidden size h, as transformers'
+    # DeepSpeed integration does: reduce bucket h², ZeRO-3 prefetch 0.9·h², persistence threshold 10·h
+    # (ZeRO-3 keeps weights up to that size whole on every rank). Typed Any: OmegaConf has no int | str.
+    reduce_bucket_size: Any = "auto"
+    # Only chunks all-gathers when torch lacks all_gather_into_tensor: DeepSpeed 0.19 ignores it otherwise.
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: Any = "auto"
+    stage3_param_persistence_threshold: Any = "auto"
+    stage3_max_live_parameters: int = 1_000_000_000
+    # {DeepSpeed key: value} for keys we do not model, deep-merged last. Typed Any, default null: then
+    # `backend.ds_config_overrides={...}` assigns the dict (a Dict field would refuse every new key in
+    # struct mode); the deepspeed check rejects anything but a mapping.
+    ds_config_overrides: Any = None
+
+
+_SCHEMA = DeepSpeedConfig()
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 AUTO = "auto"
@@ -64,7 +96,7 @@ class DeepSpeedSettings:
     output_dir: str | None = None  # where deepspeed_config.json is written (rank 0)
 
     @classmethod
-    def from_options(cls, options: dict) -> "DeepSpeedSettings":
+    def from_options(cls, options: dict) -> DeepSpeedSettings:
         """From `build_backend`'s options: cfg.backend as a plain dict, plus `run` (the batch and the run dir)."""
         run = options.get("run") or {}
         missing = [k for k in ("micro_batch_size", "grad_accum_steps") if k not in run]
@@ -234,7 +266,8 @@ def deepspeed_problems(backend: Any, world_size: int) -> list[str]:
             problems.append(f"backend.{name}.device=nvme needs backend.{name}.nvme_path=/a/local/nvme/folder")
     if backend.offload_param.device != "none" and stage != 3:
         problems.append(f"backend.offload_param.device={backend.offload_param.device} needs backend.zero_stage=3 "
-                        f"(only ZeRO-3 partitions parameters; this run has zero_stage={stage}): use backend=zero3_offload")
+                        f"(only ZeRO-3 partitions parameters; this run has zero_stage={stage}): "
+                        "use backend=zero3_offload")
     if backend.offload_optimizer.device != "none" and stage == 0:
         problems.append(f"backend.offload_optimizer.device={backend.offload_optimizer.device} needs "
                         "backend.zero_stage >= 1 (ZeRO-0 has no partitioned optimizer to offload)")

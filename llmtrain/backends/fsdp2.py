@@ -43,13 +43,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
-    set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llmtrain.backends.base import (OptimizerSpec, ScaledOptimizerSteps, autocast_dtype, build_scheduler,
-                                    generation_mode, has_frozen_params, param_groups, save_frozen, save_hf)
+from llmtrain.backends import dims_for
+from llmtrain.backends.base import (
+    OptimizerSpec,
+    ScaledOptimizerSteps,
+    autocast_dtype,
+    build_scheduler,
+    generation_mode,
+    has_frozen_params,
+    param_groups,
+    save_frozen,
+    save_hf,
+)
 from llmtrain.models.lora import unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims
@@ -63,9 +78,9 @@ DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # ---- parallelize: the fixed order ---------------------------------------------------------------
 
-def apply_tp(model: torch.nn.Module, dims: ParallelDims, mesh) -> None:
+def apply_tp(model: torch.nn.Module, dims: ParallelDims) -> None:
     if dims.tp > 1:
-        apply_tp_plan(unwrap_peft(model), mesh["tp"], model.config)
+        apply_tp_plan(unwrap_peft(model), dims.mesh("tp"), model.config)
 
 
 def apply_ac(model: torch.nn.Module) -> None:
@@ -95,14 +110,16 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     raise ValueError(f"{type(model).__name__}: no decoder layer list (base_model.layers / .h) to shard per block")
 
 
-def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh, *, reshard_after_forward: bool,
+def parallelize(model: torch.nn.Module, dims: ParallelDims, *, reshard_after_forward: bool,
                 mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, compile: bool) -> None:
+    """The run's meshes come from `dims` by name: "tp" for the TP plan, "fsdp" (dp_shard, or HSDP's (dp_replicate,
+    dp_shard)) for fully_shard."""
     blocks = decoder_blocks(model)
-    apply_tp(model, dims, mesh)
+    apply_tp(model, dims)
     apply_ac(model)
     if compile:
         apply_compile(blocks)
-    apply_fsdp(model, blocks, mesh[dims.dp_dim_names], reshard_after_forward=reshard_after_forward,
+    apply_fsdp(model, blocks, dims.mesh("fsdp"), reshard_after_forward=reshard_after_forward,
                mp_policy=mp_policy, offload_policy=offload_policy)
 
 
@@ -183,11 +200,11 @@ def split_groups_by_mesh(groups: list[dict]) -> list[dict]:
 
 class FSDP2Engine(ScaledOptimizerSteps):
     def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
-                 dims: ParallelDims, mesh, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
+                 dims: ParallelDims, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
                  compile: bool = False):
-        self.ctx, self.dims, self.optim_spec, self.mesh = ctx, dims, optim, mesh
+        self.ctx, self.dims, self.optim_spec = ctx, dims, optim
         self.reshard_after_forward = reshard_after_forward
-        data_mesh = self.mesh["dp"] if dims.dp_replicate > 1 else self.mesh["dp_shard"]
+        data_mesh = dims.mesh("dp")  # ranks that read different data (tp peers share theirs)
         self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
         # GPU + bf16: FSDP keeps fp32 shards (the optimizer's master weights), all-gathers bf16 copies
         # for compute and reduces gradients in fp32. Elsewhere (CPU, fp16) plain autocast, as in DDP.
@@ -206,7 +223,7 @@ class FSDP2Engine(ScaledOptimizerSteps):
             raise ValueError("fsdp2: rank 0 built the model on the meta device, but the other ranks load their "
                              "weights from rank 0's copy")
         rank0_weights = set_aside_and_empty(model) if on_meta and ctx.is_main else None
-        parallelize(model, dims, self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        parallelize(model, dims, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(), compile=compile)
         if on_meta:
             load_from_rank0(model, rank0_weights, ctx.device, cpu_offload=cpu_offload)
@@ -339,9 +356,8 @@ class FSDP2Backend:
     def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
         options = options or {}
         self.ctx, self.precision = ctx, precision
-        self.dims = ParallelDims.build(options.get("dp_replicate", 1), options.get("dp_shard", -1),
-                                       options.get("tp", 1), ctx.world_size)
-        self.mesh = self.dims.build_mesh(ctx.device.type)  # once per run: every role shares it
+        self.dims = dims_for("fsdp2", options, ctx)  # the run's one layout: every role's engine reads its meshes
+        self.dims.mesh("world")  # built now, once (a collective on every rank), not inside the first role's wrap
         self.settings = {k: options[k] for k in ("reshard_after_forward", "cpu_offload", "compile") if k in options}
 
     def model_init_context(self):
@@ -350,7 +366,7 @@ class FSDP2Backend:
         return contextlib.nullcontext() if self.ctx.is_main else torch.device("meta")
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
-        return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, self.mesh, **self.settings)
+        return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, **self.settings)
 
     def gathered_for_init(self, params):
         return contextlib.nullcontext()  # rank 0 holds the whole model at init; the others are on meta

@@ -44,6 +44,20 @@ def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | 
     return DataBundle(train, evaluation, train_stats, eval_stats)
 
 
+def load_data(d, *, tokenizer, seed: int, max_prompt_len: int | None = None,
+              rename_columns: dict[str, str] | None = None):
+    """The run's data from its `data` config node: prompts to generate from when `max_prompt_len` is given (RL
+    stages), else tokenised training sequences."""
+    sources = dict(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
+                   eval_split=d.eval_split, eval_fraction=d.eval_fraction, fmt=d.format, tokenizer=tokenizer, seed=seed)
+    if max_prompt_len is not None:
+        from llmtrain.data.prompts import build_prompt_data
+
+        return build_prompt_data(**sources, max_prompt_len=max_prompt_len)
+    return build_data(**sources, max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing,
+                      rename_columns=rename_columns)
+
+
 def rename(rows, renames: dict[str, str] | None, where: str):
     """Columns renamed to what the format reads; a missing one names the setting that asked for it."""
     from llmtrain.data.errors import DataConfigError

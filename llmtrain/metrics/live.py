@@ -161,38 +161,6 @@ class NoLiveCost:
         return {}
 
 
-def plan_figures(cfg, world: int, device: torch.device, precision: str) -> PlanFigures:
-    """The planner's row for this run's backend, world and device (llmtrain/plan.py, the model on the meta device)."""
-    from llmtrain.metrics.cost import activation_bytes, logits_bytes
-    from llmtrain.metrics.devices import resolve_gpu
-    from llmtrain.metrics.flops import training_flops_per_token
-    from llmtrain.models.facts import model_facts
-    from llmtrain.plan import layout_of, plan_row, row_name, setting
-
-    facts = model_facts(cfg)
-    gpu = resolve_gpu(cfg.plan, device.type, world)
-    st = setting(cfg, world, gpu, precision, facts)
-    row = plan_row(st, layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden))
-    elem = 2 if precision in ("bf16", "fp16") else 4
-
-    def activations(rows: int, seq: int) -> float:
-        """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
-        as if all were alive at once)."""
-        return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
-                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads)
-                + logits_bytes(rows, seq, st.logits_vocab))
-
-    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
-    recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0
-    # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
-    return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
-                       gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
-                       flops_per_token=model, hardware_flops_per_token=model + recompute,
-                       peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
-                       comm=planned(row.comm))
-
-
-def live_cost(cfg, ctx, precision: str, engines: dict, roles: list[str], steps: int = 2) -> LiveCost:
-    """The run's LiveCost: the trainable roles' modules watched, the plan for this world and device."""
-    return LiveCost(modules=[engines[role].module for role in roles],
-                    plan=plan_figures(cfg, ctx.world_size, ctx.device, precision), ctx=ctx, steps=steps)
+def live_cost(ctx, plan: PlanFigures, engines: dict, roles: list[str], steps: int = 2) -> LiveCost:
+    """The run's LiveCost: the trainable roles' modules watched against the plan's figures (computed once per run)."""
+    return LiveCost(modules=[engines[role].module for role in roles], plan=plan, ctx=ctx, steps=steps)

@@ -64,10 +64,11 @@ def planned_model_state_bytes(*, num_params: int, stage: int, dp: int, mixed_pre
     return {0: 16 * m, 1: 4 * m + 12 * m / n, 2: 2 * m + 14 * m / n, 3: 16 * m / n}[stage]
 
 
-def frozen_elem_bytes(backend: str, mixed_precision: bool) -> int:
-    """Bytes per frozen parameter: DeepSpeed casts the module to the compute dtype; DDP and FSDP2 keep fp32 weights
-    (autocast, or FSDP2's fp32 shards with a bf16 all-gather)."""
-    return 2 if backend == "deepspeed" and mixed_precision else 4
+def frozen_elem_bytes(in_compute_dtype: bool, mixed_precision: bool) -> int:
+    """Bytes per frozen parameter: 2 where the backend casts a frozen module to the 16-bit compute dtype (its
+    descriptor's `frozen_in_compute_dtype`: DeepSpeed), else 4 (fp32 weights under autocast, or FSDP2's fp32 shards
+    with a bf16 all-gather)."""
+    return 2 if in_compute_dtype and mixed_precision else 4
 
 
 def planned_state_bytes(*, trainable: int, frozen: int, stage: int, dp: int, mixed_precision: bool,

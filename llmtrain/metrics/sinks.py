@@ -103,7 +103,7 @@ def _format(record: dict[str, Any]) -> str:
 
 
 # W&B's names for the flat metrics.jsonl keys: exact names first, then the first pattern that matches; a key none
-# of them claims is the stage's own (`STAGE_GROUPS`: reward/..., dpo/..., ppo/...; pretrain and SFT: train/...).
+# of them claims is in the stage's own group (its spec's `metric_group`: reward/, dpo/, ppo/; pretrain and SFT: train/).
 WANDB_EXACT = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                "skipped_steps": "train/skipped_steps", "tokens": "train/tokens", "pairs": "train/pairs",
                "samples": "train/samples", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "hfu": "perf/hfu"}
@@ -117,18 +117,17 @@ WANDB_PATTERNS = tuple((re.compile(pattern), name) for pattern, name in (
     (r"^(.+_per_s)$", r"perf/\1"),
 ))
 WANDB_GROUPS = ("train/", "eval/", "perf/", "memory/", "comm/")
-STAGE_GROUPS = {"reward": "reward", "dpo": "dpo", "ppo": "ppo", "grpo": "ppo"}
 WANDB_STEP = "train/step"  # every row carries it; every group is plotted against it (define_metric)
 
 
-def wandb_key(key: str, stage: str) -> str:
+def wandb_key(key: str, group: str) -> str:
     """The W&B name of one metrics.jsonl key (`eval_loss` -> `eval/loss`, `kl` in PPO -> `ppo/kl`)."""
     if key in WANDB_EXACT:
         return WANDB_EXACT[key]
     for pattern, name in WANDB_PATTERNS:
         if pattern.match(key):
             return pattern.sub(name, key)
-    return f"{STAGE_GROUPS.get(stage, 'train')}/{key}"
+    return f"{group}/{key}"
 
 
 REDACTED = "<redacted>"
@@ -161,12 +160,12 @@ class WandbSink:
     restart replays never reach W&B twice and W&B never sees a step go backwards. The config is `redact`ed."""
 
     def __init__(self, *, project: str, name: str | None, directory: Path, mode: str | None, entity: str | None,
-                 tags: list[str], config: dict, stage: str, state_file: Path, resumed: bool):
+                 tags: list[str], config: dict, group: str, state_file: Path, resumed: bool):
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
         saved = json.loads(state_file.read_text()) if resumed and state_file.exists() else {}
-        self.state_file, self.stage = state_file, stage
+        self.state_file, self.group = state_file, group
         self.sent_up_to = saved.get("last_step", -1)  # the previous process's last step: replays stop here
         self.last_step = self.sent_up_to
         self.run = wandb.init(project=project, name=name, dir=str(directory), mode=mode, entity=entity,
@@ -175,8 +174,8 @@ class WandbSink:
                               settings=wandb.Settings(x_disable_meta=True, disable_code=True, disable_git=True))
         self.run_id_ = self.run.id
         self.run.define_metric(WANDB_STEP)
-        for group in {*WANDB_GROUPS, f"{STAGE_GROUPS.get(stage, 'train')}/"}:
-            self.run.define_metric(f"{group}*", step_metric=WANDB_STEP)
+        for prefix in {*WANDB_GROUPS, f"{group}/"}:
+            self.run.define_metric(f"{prefix}*", step_metric=WANDB_STEP)
         self._save_state()
 
     @property
@@ -187,7 +186,7 @@ class WandbSink:
         step = record["step"]
         if step <= self.sent_up_to:  # a replayed step: W&B has it already
             return
-        row = {wandb_key(k, self.stage): v for k, v in record.items() if k != "step"}
+        row = {wandb_key(k, self.group): v for k, v in record.items() if k != "step"}
         self.run.log({WANDB_STEP: step, **row}, step=step)
         if step > self.last_step:
             self.last_step = step

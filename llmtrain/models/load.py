@@ -72,7 +72,7 @@ def model_config(name_or_path: str | None, from_config: dict | None, config_path
 
 def _tiny_model_types() -> set[str]:
     """The model types with a shipped `model=tiny_<type>` group."""
-    from llmtrain.compose import conf_dir
+    from llmtrain.paths import conf_dir
 
     return {p.stem.removeprefix("tiny_") for p in (conf_dir() / "model").glob("tiny_*.yaml")}
 

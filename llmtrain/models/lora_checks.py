@@ -1,15 +1,18 @@
 """peft=lora's own config rules, and the backends and machines it needs; each problem names the field and the fix.
-Called by config.config_problems before any model loads (no peft import; torch only for the QLoRA CUDA check)."""
+Called by validation.config_problems before any model loads (no peft import; torch only for the QLoRA CUDA check)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.config import ADAPTER_REFERENCE_STAGES, OUTPUT_LAYERS
+from llmtrain.config import OUTPUT_LAYERS
+
+PEFT_METHODS = ("none", "lora")
 
 
-def peft_problems(peft: Any, backend: Any, stage: str = "") -> list[str]:
-    """peft=lora's own fields, and the backends it does not run on yet; each line names the field and the fix."""
+def peft_problems(peft: Any, backend: Any, adapter_reference_stage: str | None = None) -> list[str]:
+    """peft=lora's own fields, and the backends it does not run on yet; each line names the field and the fix.
+    `adapter_reference_stage`: the stage, if any, whose frozen reference is the policy with its adapters off."""
     if peft.name != "lora":
         return []
     problems = []
@@ -29,18 +32,20 @@ def peft_problems(peft: Any, backend: Any, stage: str = "") -> list[str]:
     elif any(t in OUTPUT_LAYERS for t in targets):
         problems.append(f"peft.target_modules: {', '.join(OUTPUT_LAYERS)} is the output layer, which LoRA leaves "
                         "alone: drop it from the list (or train it in full with peft.modules_to_save=[lm_head])")
-    if stage in ADAPTER_REFERENCE_STAGES and peft.dropout > 0:
-        problems.append(f"stage {stage} with peft=lora takes its reference's log-probs from the policy with adapters "
+    if adapter_reference_stage and peft.dropout > 0:
+        problems.append(f"stage {adapter_reference_stage} with peft=lora takes its reference's log-probs from the policy with adapters "
                         f"disabled (dropout off there), the policy's with peft.dropout={peft.dropout} on: the first "
                         "ratio would not be 1. Set peft.dropout=0")
-    if backend.name == "fsdp2" and backend.tp > 1:
-        problems.append(f"peft=lora with backend.tp={backend.tp}: the tensor-parallel plan does not map LoRA "
-                        "layers yet; use backend.tp=1 (backend=fsdp2)")
+    tp = getattr(backend, "tp", 1)  # the tensor-parallel degree, on every backend that has one (ParallelDims' name)
+    if tp > 1:
+        problems.append(f"peft=lora with backend.tp={tp}: the tensor-parallel plan does not map LoRA "
+                        f"layers yet; use backend.tp=1 (backend={backend.name})")
     return problems
 
 
-def qlora_problems(cfg: Any) -> list[str]:
-    """peft.load_in_4bit=true (QLoRA): a CUDA GPU with bitsandbytes, a pretrained base, DDP, bf16."""
+def qlora_problems(cfg: Any, quantized_base_backends: tuple[str, ...]) -> list[str]:
+    """peft.load_in_4bit=true (QLoRA): a CUDA GPU with bitsandbytes, a pretrained base, a backend that holds a 4-bit
+    base (`quantized_base_backends`: llmtrain.backends.backends_that("loads_4bit_base")), bf16."""
     if cfg.peft.name != "lora" or not getattr(cfg.peft, "load_in_4bit", False):
         return []
     import importlib.util
@@ -55,9 +60,10 @@ def qlora_problems(cfg: Any) -> list[str]:
     elif importlib.util.find_spec("bitsandbytes") is None:
         problems.append("peft.load_in_4bit=true (QLoRA) needs bitsandbytes: pip install bitsandbytes, or set "
                         "peft.load_in_4bit=false")
-    if cfg.backend.name != "ddp":
-        problems.append(f"peft.load_in_4bit=true runs on backend=ddp only (backend.name={cfg.backend.name}: sharding "
-                        "4-bit weights is not wired up); use backend=ddp or peft.load_in_4bit=false")
+    if cfg.backend.name not in quantized_base_backends:
+        names = "/".join(quantized_base_backends)
+        problems.append(f"peft.load_in_4bit=true runs on backend={names} only (backend.name={cfg.backend.name}: "
+                        f"sharding 4-bit weights is not wired up); use backend={names} or peft.load_in_4bit=false")
     if cfg.model.name_or_path is None:
         problems.append("peft.load_in_4bit=true quantizes pretrained weights: set model.name_or_path (a random init "
                         "from model.from_config has nothing to quantize)")

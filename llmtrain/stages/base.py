@@ -54,6 +54,7 @@ class RoleSpec:
 
 
 class Stage(Protocol):
+    """Stages subclass this: the methods with a body are optional hooks with their default."""
     name: str
     roles: dict[str, RoleSpec]
     count_name: str  # what the update normalises by: "tokens" (target tokens) or "pairs"
@@ -61,8 +62,28 @@ class Stage(Protocol):
     def collate(self, examples: list[dict]): ...
     def train_step(self, micro_batches: list, engines: dict, updater: "Updater") -> dict: ...
     def evaluate(self, batches: Iterable, engines: dict) -> dict: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def attention(self, resolved: str) -> str:
+        """The attention the roles are built with, given the run's resolved one (PPO: left padding needs a mask)."""
+        return resolved
+
+    def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
+        """(examples per fetch, fetches per step) on each rank (PPO: one fetch of the rank's share of prompts)."""
+        return micro_batch_size, grad_accum_steps
+
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps in one trainer step (PPO: epochs × mini-batches); the lr schedule counts them."""
+        return 1
+
+    def export_config(self, role: str) -> dict:
+        """What the stage adds to a role's exported config.json (a reward model's reward mean/std)."""
+        return {}
 
 
 # A micro-batch's summed loss (0-d, with grad) and the sums of its statistics ((K,), detached).

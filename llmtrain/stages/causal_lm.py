@@ -13,15 +13,16 @@ import torch
 
 from llmtrain.data.collate import Batch, collate
 from llmtrain.losses.lm import count_target_tokens, lm_correct_count, lm_loss_sum
-from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
+from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.spec import SFT_FORMATS, StageSpec
 
 
-class CausalLMStage:
+class CausalLMStage(Stage):
     count_name = "tokens"
 
     def __init__(self, name: str, source: ModelSource, pad_token_id: int):
         self.name = name
-        self.roles = {"policy": RoleSpec(source, head="lm", trainable=True)}
+        self.roles = policy_role(None, source)
         self.collate = partial(collate, pad_token_id=pad_token_id)
 
     @staticmethod
@@ -51,12 +52,20 @@ class CausalLMStage:
         return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
                 "eval_accuracy": correct / max(targets, 1), "eval_tokens": int(targets)}
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+def policy_role(cfg, source: ModelSource) -> dict[str, RoleSpec]:
+    return {"policy": RoleSpec(source, head="lm", trainable=True)}
 
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> CausalLMStage:
     return CausalLMStage(cfg.stage.name, source, tokenizer.pad_token_id)
+
+
+STAGE_SPECS = (
+    StageSpec(name="pretrain", build=build, roles=policy_role, data_formats=("text",),
+              data_hint="trains on every token: data.format={format} must be text (use stage=sft for prompt/response "
+                        "data)", token_losses=True),
+    StageSpec(name="sft", build=build, roles=policy_role, data_formats=SFT_FORMATS,
+              data_hint=f"trains on responses only: data.format={{format}} must be one of {', '.join(SFT_FORMATS)} "
+                        "(use stage=pretrain for plain text)", token_losses=True),
+)

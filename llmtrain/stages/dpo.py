@@ -10,24 +10,33 @@ log-probs, as TRL). At step 0 the policy equals the reference: the loss is ln 2,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from llmtrain.losses.dpo import (AVERAGED_LOGPS, DPO_STATS, dpo_loss_terms, dpo_metrics, dpo_stat_sums,
+from llmtrain.losses.dpo import (AVERAGED_LOGPS, DPO_LOSSES, DPO_STATS, dpo_loss_terms, dpo_metrics, dpo_stat_sums,
                                  packed_sequence_logps)
-from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
-from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for
+from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
+from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
 
 
-class DPOStage:
+@dataclass
+class DPOConfig:
+    """stage=dpo: policy vs a frozen reference on the summed response log-probs of each pair."""
+    beta: float = 0.1
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
+    label_smoothing: float = 0.0  # > 0: conservative DPO (cDPO), the labels flipped with this probability
+
+
+class DPOStage(Stage):
     name = "dpo"
     count_name = "pairs"
 
     def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float,
                  padding_free: bool = False):
-        self.roles = {"policy": RoleSpec(source, head="lm", trainable=True),
-                      "reference": RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")}
+        self.roles = dpo_roles(None, source)
         self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.average = loss in AVERAGED_LOGPS
@@ -80,14 +89,36 @@ class DPOStage:
         return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs,
                 "eval_reward_margin": margin / pairs, "eval_pairs": int(pairs)}
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+def dpo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
+    return {"policy": RoleSpec(source, head="lm", trainable=True),
+            "reference": RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")}
 
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOStage:
     d = cfg.dpo
     return DPOStage(source, tokenizer.pad_token_id, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing,
                     padding_free=padding_free_for(attn_implementation))
+
+
+def problems(cfg, dp: int) -> list[str]:
+    d, found = cfg.dpo, pair_problems(cfg, "dpo")
+    if d.loss not in DPO_LOSSES:
+        found.append(f"dpo.loss={d.loss!r} is not one of {', '.join(DPO_LOSSES)}")
+    if not d.beta > 0:
+        found.append(f"dpo.beta={d.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
+    if not 0 <= d.label_smoothing < 0.5:
+        found.append(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
+    if d.loss == "ipo" and d.label_smoothing > 0:
+        found.append("dpo.label_smoothing applies to dpo.loss=sigmoid only: set it to 0 with ipo")
+    return found
+
+
+def implicit_reward(cfg) -> ImplicitReward:
+    return ImplicitReward(beta=cfg.dpo.beta, averaged=cfg.dpo.loss in AVERAGED_LOGPS, reference=True)
+
+
+STAGE_SPECS = (StageSpec(name="dpo", build=build, roles=dpo_roles, data_formats=PREFERENCE_FORMATS,
+                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="dpo",
+                         config_node="dpo", config_class=DPOConfig, problems=problems, pair_scores="implicit",
+                         implicit_reward=implicit_reward),)

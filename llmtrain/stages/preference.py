@@ -22,6 +22,8 @@ from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_ATTENTION
 
+PAIR_DATA_HINT = ("trains on pairs: data.format={format} must be preference (rows with chosen and rejected, and "
+                  "optionally prompt)")
 HARD = "hard"  # the `kind` of a pair whose eval accuracy is reported apart (eval_accuracy_hard)
 
 
@@ -89,3 +91,15 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) padding mask, left or right padded -> (B,) index of each row's last real token."""
     width = attention_mask.shape[1]
     return width - 1 - attention_mask.flip(-1).long().argmax(-1)
+
+
+def pair_problems(cfg, stage: str) -> list[str]:
+    """What every pairwise stage needs from the data and the model."""
+    problems = []
+    if cfg.data.packing:
+        problems.append(f"stage {stage}: data.packing=true packs single sequences; pairs are not packed: "
+                        "set data.packing=false")
+    if cfg.model.dropout > 0:
+        problems.append(f"stage {stage} runs every forward without dropout (as TRL does: the chosen and rejected "
+                        f"scores must come from the same function): model.dropout={cfg.model.dropout} must be 0")
+    return problems

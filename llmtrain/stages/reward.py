@@ -10,25 +10,35 @@ The last eval's reward mean and std over every held-out sequence go into the exp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import torch
 
 from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise_metrics, pairwise_stat_sums
 from llmtrain.models.heads import scores_at
 from llmtrain.models.load import use_distinct_pad_token
-from llmtrain.stages.base import ModelSource, RoleSpec, Updater, reduce_sums
-from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for
+from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
+from llmtrain.stages.spec import PREFERENCE_FORMATS, StageSpec
 
 ROLE = "reward"
 
 
-class RewardStage:
+@dataclass
+class RewardConfig:
+    """stage=reward: pairwise loss -logsigmoid(r_chosen - r_rejected - margin) + center_coef·(r_c + r_r)²."""
+    margin_column: Optional[str] = None  # a data column with a per-pair margin (null: no margin)
+    center_coef: float = 0.0  # > 0 pulls the rewards' mean towards 0 (Eisenstein et al.; TRL's center_rewards)
+
+
+class RewardStage(Stage):
     name = "reward"
     count_name = "pairs"
 
     def __init__(self, source: ModelSource, pad_token_id: int, center_coef: float = 0.0, padding_free: bool = False):
-        self.roles = {ROLE: RoleSpec(source, head="scalar", trainable=True)}
+        self.roles = reward_role(None, source)
         self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
         self.center_coef = center_coef
         self.reward_stats: dict[str, float] = {}  # the last eval's reward mean / std
@@ -100,3 +110,26 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> Rewa
     use_distinct_pad_token(tokenizer)  # so the exported model pools at the EOS in transformers too
     return RewardStage(source, tokenizer.pad_token_id, cfg.reward.center_coef,
                        padding_free=padding_free_for(attn_implementation))
+
+
+def reward_role(cfg, source: ModelSource) -> dict[str, RoleSpec]:
+    return {ROLE: RoleSpec(source, head="scalar", trainable=True)}
+
+
+def problems(cfg, dp: int) -> list[str]:
+    found = pair_problems(cfg, "reward")
+    if cfg.reward.center_coef < 0:
+        found.append(f"reward.center_coef={cfg.reward.center_coef} must be >= 0")
+    return found
+
+
+def margin_column(cfg) -> dict[str, str]:
+    """reward.margin_column: the data column read as each pair's margin."""
+    column = cfg.reward.margin_column
+    return {column: "margin"} if column else {}
+
+
+STAGE_SPECS = (StageSpec(name="reward", build=build, roles=reward_role, data_formats=PREFERENCE_FORMATS,
+                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="reward",
+                         config_node="reward", config_class=RewardConfig, problems=problems,
+                         column_renames=margin_column, pair_scores="scalar"),)

@@ -3,7 +3,8 @@ and bitwise resume (1 and 2 ranks).
 
 Every run loads the same saved tiny model folder, and runs once per module (`runs`), serving every test that
 reads it. Parity compares loss and grad norm per step (grad norm catches a gradient-scale bug that Adam would
-hide in the loss).
+hide in the loss). The runs' arguments (`base_args`) and the per-step comparison (`assert_close_series`) are
+fixtures of tests/dist/conftest.py, shared with the other backends' tests.
 """
 
 from __future__ import annotations
@@ -12,25 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
-
-
-def base_args(model_dir, out_dir, *extra):
-    return ["recipe=sft_tiny", f"model.name_or_path={model_dir}", "model.from_config=null", "model.tokenizer=null",
-            f"output_dir={out_dir}", "trainer.eval_every_n_steps=0", "data.eval_files=[]",
-            "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2", *extra]
-# later overrides of the same key win (Hydra applies them in order)
-
-
-def assert_close_series(ours, reference, key, first_rel, rel, atol=0.0):
-    """Per step |a − b| ≤ tol·|b| + atol (tol: first_rel on the first step, rel after); `atol` for values that are
-    small differences of near-cancelling sums (PPO's KL)."""
-    assert len(ours) == len(reference)
-    for i, (a, b) in enumerate(zip(ours, reference)):
-        tolerance = first_rel if i == 0 else rel
-        assert abs(a[key] - b[key]) <= tolerance * abs(b[key]) + atol, f"step {i + 1} {key}: {a[key]} vs {b[key]}"
 
 
 # 10 steps of global batch 16 in fp32, dropout 0, eval at steps 0, 5, 10 on 9 held-out samples (not divisible by 2
@@ -58,8 +43,8 @@ RUNS = {  # name -> (nproc, overrides)
 class Runs:
     """Each named run once, on first use (a failed run fails every test that needs it)."""
 
-    def __init__(self, root: Path, model_dir: Path):
-        self.root, self.model_dir, self.done = root, model_dir, {}
+    def __init__(self, root: Path, model_dir: Path, base_args):
+        self.root, self.model_dir, self.base_args, self.done = root, model_dir, base_args, {}
         (root / EVAL_FILE).write_text(
             "".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
 
@@ -67,17 +52,17 @@ class Runs:
         if name not in self.done:
             nproc, args = RUNS[name]
             args = [arg.replace("{root}", str(self.root)) for arg in args]
-            self.done[name] = run_cli(base_args(self.model_dir, self.root / name, *args), nproc=nproc)
+            self.done[name] = run_cli(self.base_args(self.model_dir, self.root / name, *args), nproc=nproc)
         assert_ok(self.done[name])
         return self.root / name
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("ddp"), tiny_model_dir)
+def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
+    return Runs(tmp_path_factory.mktemp("ddp"), tiny_model_dir, base_args)
 
 
-def test_ddp_two_ranks_match_one_process(runs):
+def test_ddp_two_ranks_match_one_process(runs, assert_close_series):
     reference, ours = read_metrics(runs("single"))[0], read_metrics(runs("ddp"))[0]
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
     assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
@@ -90,7 +75,7 @@ def test_ddp_two_ranks_match_one_process(runs):
     assert_close_series(eval_ours, eval_reference, "eval_loss", 1e-6, 1e-5)
 
 
-def test_accumulation_does_not_change_the_step(runs):
+def test_accumulation_does_not_change_the_step(runs, assert_close_series):
     """One process: 16 micro-batches of 1 row (no padding) per step equal 2 of 8 rows, loss and grad norm of
     every step to 1e-6 relative, and the eval losses after training too."""
     reference, ours = read_metrics(runs("single"))[0], read_metrics(runs("single_accum16"))[0]
@@ -101,7 +86,7 @@ def test_accumulation_does_not_change_the_step(runs):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_bitwise_resume(runs, tmp_path, nproc):
+def test_bitwise_resume(runs, tmp_path, nproc, base_args):
     """12 steps straight vs the same run's step-6 checkpoint resumed in a fresh process: identical losses.
     Accumulation 2, dropout 0.1, mid-epoch; the resumed half also uses 2 data workers."""
     straight, resumed = runs(f"straight_{nproc}"), tmp_path / "resumed"

@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_ok, assert_stopped_nonfinite, read_metrics, run_cli
-from tests.dist.live_cost import assert_live_cost_matches_the_plan
-from tests.dist.test_ddp import assert_close_series, base_args
+from tests.helpers import assert_ok, assert_stopped_nonfinite, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -44,25 +42,26 @@ REFERENCE = {name: "ddp_packed" if "data.packing=true" in args else "ddp" for na
 class Runs:
     """Each named run once, on first use (a failed run fails every test that needs it)."""
 
-    def __init__(self, root: Path, model_dir: Path):
-        self.root, self.model_dir, self.done = root, model_dir, {}
+    def __init__(self, root: Path, model_dir: Path, base_args):
+        self.root, self.model_dir, self.base_args, self.done = root, model_dir, base_args, {}
 
     def __call__(self, name: str, *extra: str, nproc: int | None = None, base: str | None = None) -> Path:
         if name not in self.done:
             run_nproc, args = RUNS[base or name]
             out = self.root / name
-            self.done[name] = run_cli(base_args(self.model_dir, out, *COMMON, *args, *extra), nproc=nproc or run_nproc)
+            self.done[name] = run_cli(self.base_args(self.model_dir, out, *COMMON, *args, *extra),
+                                      nproc=nproc or run_nproc)
         assert_ok(self.done[name])
         return self.root / name
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("deepspeed"), tiny_model_dir)
+def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
+    return Runs(tmp_path_factory.mktemp("deepspeed"), tiny_model_dir, base_args)
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
-def test_parity_with_ddp(runs, name):
+def test_parity_with_ddp(runs, name, assert_close_series):
     """Loss and grad norm of every step within 1e-5 relative of DDP (the first within 1e-6), same lr."""
     reference, ours = read_metrics(runs(REFERENCE[name]))[0], read_metrics(runs(name))[0]
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
@@ -78,7 +77,7 @@ def test_parity_with_ddp(runs, name):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2"])
-def test_accumulation_does_not_change_the_step(runs, name):
+def test_accumulation_does_not_change_the_step(runs, name, assert_close_series):
     """Micro 8 × accumulation 1 equals micro 4 × accumulation 2 (2 ranks, global batch 16): loss and grad norm of
     every step to 1e-6 relative, the lr exactly."""
     reference, ours = read_metrics(runs(name))[0], read_metrics(runs(f"{name}_accum1"))[0]
@@ -102,7 +101,7 @@ def test_bitwise_resume(runs, name):
 
 
 @pytest.mark.parametrize("saved,resumed", [("zero1", "zero2"), ("zero2", "zero1")])
-def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed):
+def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed, assert_close_series):
     """A ZeRO-1 checkpoint continues under ZeRO-2 and back (same 2 ranks, through the universal checkpoint):
     weights, Adam moments and schedule survive, so steps 7-12 match the uninterrupted run to 1e-5."""
     straight = runs(saved)
@@ -118,7 +117,7 @@ def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed):
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
-def test_reshard_two_ranks_to_one(runs, name):
+def test_reshard_two_ranks_to_one(runs, name, assert_close_series):
     """A checkpoint saved on 2 ranks resumes on 1 (micro 8: same global batch) through DeepSpeed's universal
     checkpoint: weights, Adam moments, fp32 master and schedule survive, so steps 7-12 match the 2-rank run."""
     straight = runs(name)
@@ -156,12 +155,13 @@ def expected_bytes(model_dir: Path, stage: int, dp: int = 2, offload: bool = Fal
     ("auto" threshold 10·h); accumulation 2; `host`: what offload moves off the device."""
     from transformers import AutoModelForCausalLM
 
+    from llmtrain.backends import BACKENDS
     from llmtrain.metrics.cost import Layout, RoleParams, state_bytes
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     numels, threshold = [p.numel() for p in model.parameters()], 10 * model.config.hidden_size
     placement = "cpu" if offload else "none"
-    layout = Layout(name="zero", library="deepspeed", stage=stage, dp=dp, offload_optimizer=placement,
+    layout = Layout(name="zero", backend=BACKENDS["deepspeed"], stage=stage, dp=dp, offload_optimizer=placement,
                     offload_param=placement, persistence_threshold=threshold)
     role = RoleParams(trainable=sum(numels), persistent=sum(n for n in numels if n <= threshold) if stage == 3 else 0)
     planned = state_bytes(role, layout, "fp32", grad_accum_steps=2)
@@ -191,10 +191,11 @@ def test_ddp_model_state_bytes_match_the_plan(runs, tiny_model_dir):
     """DDP (fp32, 2 ranks, accumulation 2): weights, gradients and Adam state as the planner predicts them."""
     from transformers import AutoModelForCausalLM
 
+    from llmtrain.backends import BACKENDS
     from llmtrain.metrics.cost import Layout, RoleParams, state_bytes
 
     m = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
-    planned = state_bytes(RoleParams(trainable=m), Layout(name="ddp", library="ddp", stage=0, dp=2), "fp32", 2)
+    planned = state_bytes(RoleParams(trainable=m), Layout(name="ddp", backend=BACKENDS["ddp"], stage=0, dp=2), "fp32", 2)
     first = read_metrics(runs("ddp"))[0][0]
     for rank in (0, 1):
         for key, value in (("params", planned.weights), ("grads", planned.grads), ("optimizer", planned.optim)):
@@ -203,7 +204,7 @@ def test_ddp_model_state_bytes_match_the_plan(runs, tiny_model_dir):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "zero3"])
-def test_live_activations_and_communication_match_the_plan(runs, name):
+def test_live_activations_and_communication_match_the_plan(runs, name, assert_live_cost_matches_the_plan):
     """Counted from the real collectives on step 2 (DDP's buckets through its comm hook, DeepSpeed's through
     torch.distributed): payload and ring wire bytes within 5 % of metrics/cost.py's theory per kind; activations
     measured with saved-tensor hooks within 25 % of the plan on both ranks."""
@@ -234,7 +235,7 @@ def test_bad_configs_fail_on_every_rank_within_seconds(tmp_path):
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_nonfinite_loss_stops_every_rank(runs, tmp_path):
+def test_nonfinite_loss_stops_every_rank(runs, tmp_path, base_args):
     """fp32, lr 1e30: step 1's update makes the weights overflow, step 2's loss is NaN; every rank says so and
     exits with code 3 (torchrun reports the first rank to exit and stops the other), nothing is saved."""
     result = run_cli(base_args(runs.model_dir, tmp_path / "run", *COMMON, "backend=zero2", "optim.lr=1e30",
@@ -257,7 +258,7 @@ def async_io_builds() -> bool:
     return AsyncIOBuilder().is_compatible(verbose=False)
 
 
-def test_nvme_offload_without_libaio_stops_and_says_why(runs, tmp_path):
+def test_nvme_offload_without_libaio_stops_and_says_why(runs, tmp_path, base_args):
     """Without libaio the run stops before the model loads and names the missing op."""
     if async_io_builds():
         pytest.skip("DeepSpeed's async_io op builds here (libaio is installed): the NVMe offload test runs instead")
@@ -267,7 +268,7 @@ def test_nvme_offload_without_libaio_stops_and_says_why(runs, tmp_path):
     assert "Loading weights" not in result.stderr + result.stdout
 
 
-def test_nvme_offload_to_a_folder(runs, tmp_path):
+def test_nvme_offload_to_a_folder(runs, tmp_path, assert_close_series):
     """With libaio (CI installs libaio-dev) ZeRO-3 offloads optimizer state and parameters to a folder and
     matches DDP."""
     if not async_io_builds():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_ok, cli_env, read_metrics
+from tests.helpers import REPO, assert_ok, cli_env, read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -1,7 +1,8 @@
 """The launch scripts themselves: every one parses (bash -n, shellcheck when installed); two torchrun "nodes" on
-loopback from NNODES/MASTER_ADDR/MASTER_PORT that restart together after a rank dies; the SLURM script under a fake srun/scontrol (tests/dist/fake_slurm)
-with SLURM variables set here: 2 nodes × 1 rank on loopback, SIGUSR1 ahead of the time limit -> every rank saves
-and stops, the script requeues the job, and the requeued job resumes and finishes."""
+loopback from NNODES/MASTER_ADDR/MASTER_PORT that restart together after a rank dies; the SLURM script under a fake
+srun/scontrol (tests/dist/workers/fake_slurm) with SLURM variables set here: 2 nodes × 1 rank on loopback, SIGUSR1
+ahead of the time limit -> every rank saves and stops, the script requeues the job, and the requeued job resumes
+and finishes."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_ok, cli_env, read_metrics
+from tests.helpers import REPO, assert_ok, cli_env, read_metrics
 
 pytestmark = pytest.mark.dist
 
-SCRIPTS = sorted([*REPO.glob("launch/**/*.sh"), *REPO.glob("launch/**/*.sbatch"), *(REPO / "tests/dist/fake_slurm").iterdir()])
+SCRIPTS = sorted([*REPO.glob("launch/**/*.sh"), *REPO.glob("launch/**/*.sbatch"),
+                  *(REPO / "tests/dist/workers/fake_slurm").iterdir()])
 ARGS = ["recipe=sft_tiny", "trainer.eval_every_n_steps=0", "trainer.log_every_n_steps=0", "data.eval_files=[]",
         "data.eval_fraction=0"]
 
@@ -67,7 +69,7 @@ def test_two_torchrun_nodes_on_loopback_restart_together_after_a_rank_dies(tmp_p
 def sbatch(out: Path, slurm_log: Path, restart: int, *extra: str) -> subprocess.Popen:
     env = env_with(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[1-2]", GPUS_PER_NODE="1",
                    MASTER_PORT=str(free_port()), SLURM_RESTART_COUNT=str(restart), FAKE_SLURM_LOG=str(slurm_log))
-    env["PATH"] = f"{REPO / 'tests/dist/fake_slurm'}:{env['PATH']}"
+    env["PATH"] = f"{REPO / 'tests/dist/workers/fake_slurm'}:{env['PATH']}"
     return subprocess.Popen(["bash", str(REPO / "launch/slurm/train.sbatch"), *ARGS, *extra, f"output_dir={out}"],
                             cwd=REPO, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
-from tests.dist.test_ddp import assert_close_series, base_args
-from tests.dist.test_preference import PAIRS, STAGES
+from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -32,14 +30,15 @@ BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "
 class Runs:
     """Each named run once, on first use (a failed run fails every test that needs it)."""
 
-    def __init__(self, root: Path, model_dir: Path):
+    def __init__(self, root: Path, model_dir: Path, base_args, pair_args):
         self.root, self.model_dir, self.done = root, model_dir, {}
+        self.base_args, self.pair_args = base_args, pair_args
 
     def dpo(self, backend: str) -> Path:
         """DPO with LoRA (reference = the policy with adapters off), 6 steps of 8 pairs, eval at 0, 3, 6."""
         name = f"dpo_{backend}"
         if name not in self.done:
-            args = [*STAGES["dpo"], *PAIRS, f"model.name_or_path={self.model_dir}", "peft=lora", "peft.r=4",
+            args = [*self.pair_args("dpo"), f"model.name_or_path={self.model_dir}", "peft=lora", "peft.r=4",
                     "peft.alpha=8", "optim.lr=1e-2", *BACKENDS[backend], f"output_dir={self.root / name}"]
             self.done[name] = run_cli(args, nproc=2)
         assert_ok(self.done[name])
@@ -48,19 +47,19 @@ class Runs:
     def __call__(self, backend: str, *extra: str, tag: str = "") -> Path:
         name = f"{backend}{tag}"
         if name not in self.done:
-            args = base_args(self.model_dir, self.root / name, *COMMON, *BACKENDS[backend], *extra)
+            args = self.base_args(self.model_dir, self.root / name, *COMMON, *BACKENDS[backend], *extra)
             self.done[name] = run_cli(args, nproc=2)
         assert_ok(self.done[name])
         return self.root / name
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("lora"), tiny_model_dir)
+def runs(tiny_model_dir, tmp_path_factory, base_args, pair_args) -> Runs:
+    return Runs(tmp_path_factory.mktemp("lora"), tiny_model_dir, base_args, pair_args)
 
 
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
-def test_parity_with_ddp(runs, backend):
+def test_parity_with_ddp(runs, backend, assert_close_series):
     """Loss and grad norm of every step within 1e-5 relative of DDP (the first 1e-6), same lr and tokens."""
     reference, ours = read_metrics(runs("ddp"))[0], read_metrics(runs(backend))[0]
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
@@ -133,7 +132,7 @@ def test_exports_are_equal_across_backends_and_load(runs, tiny_model_dir):
 
 
 @pytest.mark.parametrize("backend", ["ddp", "zero3", "fsdp2"])
-def test_dpo_reference_by_adapter_switch(runs, backend):
+def test_dpo_reference_by_adapter_switch(runs, backend, assert_close_series):
     """DPO + LoRA on 2 ranks: the reference is the policy with adapters disabled (logged, a pointer in the
     checkpoint, no engine of its own); step 1's loss is ln 2 with rewards 0, the policy moves away after, and
     ZeRO-3 (the view's forward gathers through the policy's engine) and FSDP2 match DDP (loss, grad norm, eval
@@ -163,13 +162,14 @@ def test_planned_model_state_bytes_count_the_base_as_weights_only(runs, backend,
     measured parameter bytes within 5 % of its expected ones (frozen partitions counted)."""
     import re
 
+    from llmtrain.backends import BACKENDS
     from llmtrain.metrics.memory import frozen_elem_bytes, planned_state_bytes
 
     run_dir = runs(backend)
     trainable, total = map(int, re.search(r"lora: (\d+) trainable parameters of (\d+)",
                                           runs.done[backend].stderr).groups())
     planned = planned_state_bytes(trainable=trainable, frozen=total - trainable, stage=stage, dp=2,
-                                  mixed_precision=False, frozen_elem_bytes=frozen_elem_bytes(backend, False))
+                                  mixed_precision=False, frozen_elem_bytes=frozen_elem_bytes(BACKENDS[backend].frozen_in_compute_dtype, False))
     first = read_metrics(run_dir)[0][0]
     for rank in range(2):
         measured = sum(first[f"memory_r{rank}_{k}"] for k in ("params", "grads", "optimizer"))
@@ -183,13 +183,12 @@ def test_planned_model_state_bytes_count_the_base_as_weights_only(runs, backend,
 
 
 def test_fsdp2_resume_restores_every_ranks_adapter_shard(tiny_model_dir, tmp_path):
-    """Worker under torchrun, 2 ranks (`zeroed_adapter_worker` below): a trained LoRA model's DCP checkpoint loaded
-    into the same model after its adapter shards (and Adam state) were zeroed: every rank's shard of every adapter
-    comes back bitwise (a full state dict that kept only rank 0's shard would leave rank 1's at zero)."""
-    from tests.conftest import PYTHON, cli_env
-
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m", "tests.dist.test_lora",
-           str(tiny_model_dir), str(tmp_path)]
+    """Worker under torchrun, 2 ranks (tests/dist/workers/lora_adapter_shards.py): a trained LoRA model's DCP
+    checkpoint loaded into the same model after its adapter shards (and Adam state) were zeroed: every rank's shard
+    of every adapter comes back bitwise (a full state dict that kept only rank 0's shard would leave rank 1's at
+    zero)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+           "tests.dist.workers.lora_adapter_shards", str(tiny_model_dir), str(tmp_path)]
     result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert_ok(result)
     for rank in range(2):
@@ -197,58 +196,3 @@ def test_fsdp2_resume_restores_every_ranks_adapter_shard(tiny_model_dir, tmp_pat
         assert report["adapters"] == 28 and report["local_numel"] > 0, report
         assert report["zeroed_before_load"] and report["nonzero_after_load"] == 28, report
         assert report["restored_bitwise"] == 28 and report["optimizer_restored"], report
-
-
-def zeroed_adapter_worker(model_dir: Path, out_dir: Path) -> None:
-    from torch.distributed.tensor import DTensor
-
-    from llmtrain.backends.base import OptimizerSpec
-    from llmtrain.backends.fsdp2 import FSDP2Backend
-    from llmtrain.losses.lm import lm_loss_sum
-    from llmtrain.models.load import build_model, load_tokenizer
-    from llmtrain.models.lora import LoraSettings
-    from llmtrain.parallel import init_distributed, shutdown
-
-    ctx = init_distributed("cpu", 300)
-    backend = FSDP2Backend(ctx, "fp32", {})
-    with backend.model_init_context():
-        model = build_model(name_or_path=str(model_dir), from_config=None, config_path=None,
-                            tokenizer=load_tokenizer(str(model_dir), False), attn_implementation="sdpa", dropout=0.0,
-                            activation_checkpointing=False, trust_remote_code=False, seed=0,
-                            lora=LoraSettings(4, 8.0, 0.0, "all-linear", None))
-    spec = OptimizerSpec(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
-                         min_lr_ratio=1.0, max_grad_norm=0.0, max_steps=10)
-    engine = backend.wrap(model, spec)
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(ctx.rank))  # (B, T)
-    for _ in range(2):  # B moves away from 0
-        engine.backward(lm_loss_sum(engine.module(input_ids=ids).logits, ids) / ids.numel())
-        engine.clip_or_fused_step()
-        engine.step()
-    adapters = {n: p for n, p in engine.model.named_parameters() if "lora_" in n}
-    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in adapters.items()}
-    saved = {n: t.detach().clone() for n, t in local.items()}
-    moments = {n: engine.optimizer.state[p]["exp_avg"].to_local().clone() for n, p in adapters.items()}
-    engine.save_checkpoint(out_dir / "ckpt")
-    with torch.no_grad():
-        for t in local.values():
-            t.zero_()
-    for p in adapters.values():
-        engine.optimizer.state[p]["exp_avg"].to_local().zero_()
-    report = {"rank": ctx.rank, "adapters": len(adapters), "local_numel": sum(t.numel() for t in saved.values()),
-              "zeroed_before_load": all(not t.any() for t in local.values())}
-    engine.load_checkpoint(out_dir / "ckpt")
-    after = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in engine.model.named_parameters()
-             if "lora_" in n}
-    report["nonzero_after_load"] = sum(bool(t.any()) for t in after.values())
-    report["restored_bitwise"] = sum(torch.equal(after[n], saved[n]) for n in saved)
-    params = dict(engine.model.named_parameters())
-    report["optimizer_restored"] = all(torch.equal(engine.optimizer.state[params[n]]["exp_avg"].to_local(), m)
-                                       and m.any() for n, m in moments.items())
-    (out_dir / f"rank_{ctx.rank}.json").write_text(json.dumps(report))
-    shutdown()
-
-
-if __name__ == "__main__":
-    import sys
-
-    zeroed_adapter_worker(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
-from tests.dist.test_ddp import assert_close_series
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -54,7 +53,7 @@ def runs(tmp_path_factory) -> Runs:
 
 
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
-def test_ppo_update_parity_with_ddp(runs, backend):
+def test_ppo_update_parity_with_ddp(runs, backend, assert_close_series):
     """Same prompts, same seeds: the rollouts, scores, KL and the actor's and critic's updates agree with DDP."""
     ours, reference = read_metrics(runs.get("ppo", backend))[0], read_metrics(runs.get("ppo", "ddp"))[0]
     assert [r["samples"] for r in ours] == [8] * 4
@@ -63,7 +62,7 @@ def test_ppo_update_parity_with_ddp(runs, backend):
 
 
 @pytest.mark.parametrize("backend", ["zero3", "fsdp2"])
-def test_grpo_update_parity_with_ddp(runs, backend):
+def test_grpo_update_parity_with_ddp(runs, backend, assert_close_series):
     ours, reference = read_metrics(runs.get("grpo", backend))[0], read_metrics(runs.get("grpo", "ddp"))[0]
     assert [r["samples"] for r in ours] == [8] * 4
     for key in (*COMPARED, "kl_loss"):
@@ -79,7 +78,7 @@ def test_first_ratio_of_every_iteration_is_exactly_one(runs, stage, backend):
 
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
-def test_lora_on_fsdp2_matches_lora_on_ddp(runs, stage):
+def test_lora_on_fsdp2_matches_lora_on_ddp(runs, stage, assert_close_series):
     """peft=lora: the reference is the actor with adapters off, and generation runs peft's generate() below the
     FSDP2 root (which once left the root uninitialised: the next forward failed). The updates equal DDP's and the
     first ratio of every iteration is exactly 1."""

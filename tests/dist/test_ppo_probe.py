@@ -1,6 +1,6 @@
-"""PPO's pieces on fixed inputs under torchrun (tests/dist/ppo_probe.py): generation that stops at a different length
-on each rank under ZeRO-3 and FSDP2 (no hang, the plain HF loop's greedy tokens, a training step after it), and
-one PPO iteration on fixed global rollouts equal on 2 ranks and on 1."""
+"""PPO's pieces on fixed inputs under torchrun (the worker tests/dist/workers/ppo_probe.py): generation that stops
+at a different length on each rank under ZeRO-3 and FSDP2 (no hang, the plain HF loop's greedy tokens, a training
+step after it), and one PPO iteration on fixed global rollouts equal on 2 ranks and on 1."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import PYTHON, REPO, assert_ok, cli_env
+from tests.helpers import PYTHON, REPO, assert_ok, cli_env
 
 pytestmark = pytest.mark.dist
 
@@ -28,7 +28,7 @@ def probes(tiny_model_dir, tmp_path_factory):
         if key not in results:
             out = tmp_path_factory.mktemp(f"probe_{backend}_{nproc}")
             cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-                   str(REPO / "tests" / "dist" / "ppo_probe.py"), str(tiny_model_dir), backend, str(out)]
+                   "-m", "tests.dist.workers.ppo_probe", str(tiny_model_dir), backend, str(out)]
             import subprocess
 
             # the probe's collectives time out after 120 s: a hang fails the test instead of blocking CI

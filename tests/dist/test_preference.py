@@ -2,8 +2,9 @@
 reference engines on every backend, bitwise resume, and random init that does not depend on the backend.
 
 Every pair run loads the same saved tiny Llama (the reward head, missing from it, comes from the seeded init),
-trains 6 steps of 8 pairs (micro 2 pairs × accumulation 2 × 2 ranks) in fp32 and saves at step 3. Each named run
-runs once, on first use, and serves several tests.
+trains 6 steps of 8 pairs (micro 2 pairs × accumulation 2 × 2 ranks) in fp32 and saves at step 3 (the `pair_args`
+fixture, tests/dist/conftest.py, shared with test_lora.py). Each named run runs once, on first use, and serves
+several tests.
 """
 
 from __future__ import annotations
@@ -14,30 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
-from tests.dist.test_ddp import assert_close_series
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
 DATA = REPO / "llmtrain" / "assets" / "data"
-PAIRS = ["trainer.max_steps=6", "trainer.grad_accum_steps=2", "trainer.micro_batch_size=2", "trainer.save_every_n_steps=3",
-         "trainer.keep_last_k=3", "trainer.eval_every_n_steps=3", "trainer.eval_batch_size=16", "trainer.log_every_n_steps=0",
-         "optim.lr=1e-3", "optim.warmup_steps=2", "optim.weight_decay=0.1", "model.from_config=null", "model.tokenizer=null"]
-STAGES = {"rm": ["recipe=rm_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_eval.jsonl'}]"],
-          "dpo": ["recipe=dpo_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_easy_eval.jsonl'}]", "dpo.beta=0.5"]}
 BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
 FROM_CONFIG = ["recipe=sft_tiny", "trainer.max_steps=1", "trainer.eval_every_n_steps=1", "trainer.save_every_n_steps=0",
                "model.dropout=0.0", "trainer.seed=5"]
 
 
 class Runs:
-    def __init__(self, root: Path, model_dir: Path, eval_file: Path):
-        self.root, self.model_dir, self.eval_file, self.done = root, model_dir, eval_file, {}
+    def __init__(self, root: Path, model_dir: Path, eval_file: Path, pair_args):
+        self.root, self.model_dir, self.eval_file, self.pair_args, self.done = root, model_dir, eval_file, pair_args, {}
 
     def pair(self, stage: str, backend: str, *extra: str, tag: str = "") -> Path:
         name = f"{stage}_{backend}{tag}"
         if name not in self.done:
-            args = [*STAGES[stage], *PAIRS, f"model.name_or_path={self.model_dir}", *BACKENDS[backend], *extra,
+            args = [*self.pair_args(stage), f"model.name_or_path={self.model_dir}", *BACKENDS[backend], *extra,
                     f"output_dir={self.root / name}"]
             self.done[name] = run_cli(args, nproc=2)
         assert_ok(self.done[name])
@@ -54,16 +49,16 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory) -> Runs:
+def runs(tiny_model_dir, tmp_path_factory, pair_args) -> Runs:
     root = tmp_path_factory.mktemp("preference")
     eval_file = root / "eval.jsonl"
     eval_file.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(True)[:32]))
-    return Runs(root, tiny_model_dir, eval_file)
+    return Runs(root, tiny_model_dir, eval_file, pair_args)
 
 
 @pytest.mark.parametrize("stage", ["rm", "dpo"])
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
-def test_parity_with_ddp(runs, stage, backend):
+def test_parity_with_ddp(runs, stage, backend, assert_close_series):
     """Loss, grad norm and every logged statistic per step within 1e-5 relative of DDP (the first step 1e-6),
     and the step-0 and later evals: the seeded reward head is the same on every backend."""
     reference, ours = read_metrics(runs.pair(stage, "ddp")), read_metrics(runs.pair(stage, backend))

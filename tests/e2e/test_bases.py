@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from llmtrain import bases
+from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
-from tests.conftest import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli
-from tests.unit.test_bases import uses_base, write_recipe
+from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli, uses_base, write_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +95,7 @@ def test_a_later_resolution_reuses_without_building(built, monkeypatch, caplog):
     mtime = (entry / "base.json").stat().st_mtime_ns
     start = time.time()
     with caplog.at_level(logging.INFO, logger="llmtrain.bases"):
-        path = bases.resolve_base(str(built["base"]))
+        path = bases.resolve_base(str(built["base"]), compose_config)
     assert path == str(entry / "hf") and time.time() - start < 10
     assert "reusing base model tiny_base" in caplog.text and BUILDING not in caplog.text
     assert (entry / "base.json").stat().st_mtime_ns == mtime
@@ -114,7 +114,7 @@ def test_a_failing_build_names_the_recipe_and_leaves_nothing(tmp_path, monkeypat
     assert "trainer.global_batch_size=7" in message  # the log's tail
     assert isinstance(error.value, ConfigError)  # the CLI prints it and exits 2
     left = [p.name for p in (tmp_path / "cache" / "bases").iterdir() if p.suffix != ".lock"]
-    assert left == [] and not bases.base_entry(str(broken)).dir.exists()  # no entry, no temp folder
+    assert left == [] and not bases.base_entry(str(broken), compose_config).dir.exists()  # no entry, no temp folder
 
 
 def test_a_base_whose_recipe_has_a_base(built, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests import wandb_log
-from tests.conftest import REPO, assert_ok, assert_stopped_nonfinite, cli_env, read_metrics, run_cli
+from tests.helpers import REPO, assert_ok, assert_stopped_nonfinite, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import assert_ok, read_metrics, run_cli, run_recipe
+from tests.helpers import assert_ok, read_metrics, run_cli, run_recipe
 
 pytestmark = pytest.mark.e2e
 

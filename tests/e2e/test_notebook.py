@@ -13,14 +13,24 @@ import pytest
 import yaml
 from nbclient.exceptions import CellExecutionError
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+from tests.e2e.notebooks import edited_copy, last_eval_edited, printed
 from tests.e2e.notebooks import execute as run_notebook
-from tests.e2e.notebooks import kernel_name, printed, test_stored_without_outputs  # noqa: F401  (fixture, test)
-from tests.e2e.notebooks import edited_copy, last_eval_edited
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 
 NOTEBOOK = REPO / "notebooks" / "loss_inspection.ipynb"
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stored_without_outputs(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
 @pytest.fixture(scope="module")

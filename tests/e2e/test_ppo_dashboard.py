@@ -11,9 +11,9 @@ import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+from tests.e2e.notebooks import edited_copy, printed
 from tests.e2e.notebooks import execute as run_notebook
-from tests.e2e.notebooks import edited_copy, kernel_name, printed  # noqa: F401  (kernel_name: a fixture)
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli, run_recipe
+from tests.helpers import TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli, run_recipe
 
 pytestmark = pytest.mark.e2e
 

@@ -12,9 +12,9 @@ import torch
 import yaml
 from nbclient.exceptions import CellExecutionError
 
-from tests.conftest import REPO, read_metrics, run_recipe
+from tests.e2e.notebooks import edited_copy, last_eval_edited, printed
 from tests.e2e.notebooks import execute as run_notebook
-from tests.e2e.notebooks import edited_copy, kernel_name, last_eval_edited, printed  # noqa: F401  (a fixture)
+from tests.helpers import REPO, read_metrics, run_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -95,11 +95,11 @@ def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
 
 
 @pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny"])
-def test_preference_dashboard_rescores_every_held_out_pair(recipe, rm_run, dpo_run, kernel_name, monkeypatch):
+def test_preference_dashboard_rescores_every_held_out_pair(recipe, kernel_name, monkeypatch, request):
     """notebooks/preference_dashboard.ipynb on each run: the exported model scores every held-out pair again (the
-    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base) and the accuracy and mean margin
-    it prints (and asserts) are the run's last evaluation; accuracy and margin by kind of pair; a figure file."""
-    run_dir = {"rm_tiny": rm_run, "dpo_tiny": dpo_run}[recipe]
+    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base) and the accuracy and mean margin it prints (and asserts) are the run's last evaluation;
+    accuracy and margin by kind of pair; a figure file."""
+    run_dir = request.getfixturevalue({"rm_tiny": "rm_run"}.get(recipe, recipe.replace("_tiny", "_run")))
     last = read_metrics(run_dir)[1][-1]
     accuracy, margin = (("eval_accuracy", "eval_margin") if recipe == "rm_tiny" else
                         ("eval_reward_accuracy", "eval_reward_margin"))

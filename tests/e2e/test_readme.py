@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 

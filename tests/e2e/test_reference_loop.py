@@ -2,14 +2,14 @@
 losses, grad norms and lrs to 1e-6 relative for 10 steps, on unpacked and on packed rows.
 
 llmtrain trains the saved tiny model (`recipe=sft_tiny`, one process, fp32, accumulation 2, clipping at 1.0, a
-warm-up then cosine schedule, dropout 0). It runs in a subprocess started by this module (`capture` below), which
-records from outside llmtrain every micro-batch the trainer fetched, at the trainer's `prepare_batch` seam: the
-tensors the loader produced (input_ids, labels, the padding mask; packed rows also position_ids and each row's
-sample lengths), saved with torch.save. `reference_run` then trains the same saved model on them with transformers
-and torch only: the model loaded with `attn_implementation="sdpa"` (llmtrain's default on CPU is its own
-per-sample causal sdpa), the padding mask for unpacked rows, for packed rows a block-diagonal causal float mask
-and position ids built here from the sample lengths, the token-summed cross-entropy divided by the step's target
-tokens, AdamW, `clip_grad_norm_`, the schedule written out by hand.
+warm-up then cosine schedule, dropout 0). It runs in a subprocess this module starts (the worker
+tests/e2e/workers/capture_batches.py), which records from outside llmtrain every micro-batch the trainer fetched,
+at the trainer's `prepare_batch` seam: the tensors the loader produced (input_ids, labels, the padding mask; packed
+rows also position_ids and each row's sample lengths), saved with torch.save. `reference_run` then trains the same
+saved model on them with transformers and torch only: the model loaded with `attn_implementation="sdpa"`
+(llmtrain's default on CPU is its own per-sample causal sdpa), the padding mask for unpacked rows, for packed rows
+a block-diagonal causal float mask and position ids built here from the sample lengths, the token-summed
+cross-entropy divided by the step's target tokens, AdamW, `clip_grad_norm_`, the schedule written out by hand.
 
 weight_decay is 0.0 (the sft_tiny recipe's value): AdamW's groups (no decay on biases and norm scales) are then
 moot, and the reference uses one group.
@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import PYTHON, REPO, assert_ok, cli_env, read_metrics
+from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +59,7 @@ def trained(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[list[dict], lis
     for mode, extra in [("unpacked", [f"trainer.micro_batch_size={UNPACKED_MICRO}"]),
                         ("packed", ["data.packing=true", f"trainer.micro_batch_size={PACKED_ROWS // ACCUM}"])]:
         run_dir, captured = root / mode, root / f"{mode}_batches.pt"
-        cmd = [PYTHON, "-m", "tests.e2e.test_reference_loop", "capture", str(captured),
+        cmd = [PYTHON, "-m", "tests.e2e.workers.capture_batches", "capture", str(captured),
                *llmtrain_args(tiny_model_dir, train_file, run_dir, *extra)]
         assert_ok(subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO))
         out[mode] = (read_metrics(run_dir)[0], torch.load(captured, weights_only=True))
@@ -158,37 +157,3 @@ def reference_run(model_dir: Path, batches: list[dict]) -> list[dict]:
         optimizer.zero_grad()
         records.append({"loss": loss_total / count, "grad_norm": grad_norm.item(), "lr": lr_at(step), "tokens": count})
     return records
-
-
-# ---- `python -m tests.e2e.test_reference_loop capture OUT_FILE LLMTRAIN_ARGS...` ----------------------------------
-
-def capture(out_file: Path, args: list[str]) -> int:
-    """Run llmtrain's CLI in this process, recording every batch the trainer fetches before it is moved to the
-    device and given its attention inputs (the run has no eval, so these are the training micro-batches)."""
-    import llmtrain.run
-    from llmtrain.__main__ import main
-
-    recorded = []
-    make_preparer = llmtrain.run.batch_preparer
-
-    def recording_preparer(*a, **k):
-        prepare = make_preparer(*a, **k)
-
-        def record_then_prepare(batch):
-            recorded.append({"input_ids": batch.input_ids.clone(), "labels": batch.labels.clone(),
-                             "attention_mask": None if batch.attention_mask is None else batch.attention_mask.clone(),
-                             "position_ids": None if batch.position_ids is None else batch.position_ids.clone(),
-                             "seq_lens": None if batch.seq_lens is None else [list(r) for r in batch.seq_lens]})
-            return prepare(batch)
-
-        return record_then_prepare
-
-    llmtrain.run.batch_preparer = recording_preparer
-    code = main(args)
-    torch.save(recorded, out_file)
-    return code
-
-
-if __name__ == "__main__":
-    assert sys.argv[1] == "capture"
-    sys.exit(capture(Path(sys.argv[2]), sys.argv[3:]))

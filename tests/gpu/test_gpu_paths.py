@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import assert_ok, read_metrics, run_cli, save_tiny_model
+from tests.helpers import assert_ok, read_metrics, run_cli, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU paths need one")
 

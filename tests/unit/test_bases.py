@@ -10,24 +10,7 @@ import pytest
 from llmtrain import bases
 from llmtrain.compose import compose_config, recipes_dir
 from llmtrain.config import ConfigError
-
-HEADER = """defaults:
-  - config
-  - override stage: sft
-  - override model: tiny_llama
-  - override data: reverse
-  - _self_
-"""
-TINY_BASE = "trainer:\n  max_steps: 2\n  micro_batch_size: 8\n"
-
-
-def write_recipe(path: Path, body: str = TINY_BASE) -> Path:
-    path.write_text(HEADER + body)
-    return path
-
-
-def uses_base(ref: str, extra: str = "") -> str:
-    return f"model:\n  name_or_path: ${{base:{ref}}}\n  from_config: null\n  tokenizer: null\n{TINY_BASE}{extra}"
+from tests.helpers import TINY_BASE, uses_base, write_recipe
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +20,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def test_entry_lives_in_the_cache_under_recipe_and_key(tmp_path, cache):
-    entry = bases.base_entry(str(write_recipe(tmp_path / "tiny.yaml")))
+    entry = bases.base_entry(str(write_recipe(tmp_path / "tiny.yaml")), compose_config)
     assert entry.name == "tiny" and len(entry.key) == 12
     assert entry.dir == cache.resolve() / "bases" / f"tiny-{entry.key}" and entry.hf == entry.dir / "hf"
     assert entry.lock == cache.resolve() / "bases" / f"tiny-{entry.key}.lock"
@@ -52,31 +35,31 @@ def test_default_cache_is_under_home(monkeypatch, tmp_path):
 
 def test_key_follows_the_config_and_the_data(tmp_path):
     recipe = write_recipe(tmp_path / "tiny.yaml")
-    key = bases.base_entry(str(recipe)).key
-    assert bases.base_entry(str(recipe)).key == key  # deterministic
+    key = bases.base_entry(str(recipe), compose_config).key
+    assert bases.base_entry(str(recipe), compose_config).key == key  # deterministic
     write_recipe(recipe, TINY_BASE.replace("max_steps: 2", "max_steps: 3"))
-    assert bases.base_entry(str(recipe)).key != key
+    assert bases.base_entry(str(recipe), compose_config).key != key
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "reverse: ab\\n", "response": "ba"}\n')
     write_recipe(recipe, TINY_BASE + f"data:\n  train_files: [{data}]\n")
-    with_data = bases.base_entry(str(recipe)).key
+    with_data = bases.base_entry(str(recipe), compose_config).key
     data.write_text('{"prompt": "reverse: abc\\n", "response": "cba"}\n')
-    assert bases.base_entry(str(recipe)).key != with_data  # same path, other contents
+    assert bases.base_entry(str(recipe), compose_config).key != with_data  # same path, other contents
 
 
 def test_key_ignores_output_dir_logger_and_locations(tmp_path, monkeypatch):
-    key = bases.base_entry(str(write_recipe(tmp_path / "tiny.yaml"))).key
+    key = bases.base_entry(str(write_recipe(tmp_path / "tiny.yaml")), compose_config).key
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     moved = write_recipe(elsewhere / "tiny.yaml", TINY_BASE + "output_dir: /somewhere/else\n"
                          "logger:\n  wandb:\n    enabled: true\n")
     monkeypatch.setenv("LLMTRAIN_CACHE", str(tmp_path / "other_cache"))
-    assert bases.base_entry(str(moved)).key == key
+    assert bases.base_entry(str(moved), compose_config).key == key
 
 
 def test_a_shipped_recipe_by_name_or_by_path_is_one_entry():
-    by_name = bases.base_entry("sft_tiny")
-    by_path = bases.base_entry(str(recipes_dir() / "sft_tiny.yaml"))
+    by_name = bases.base_entry("sft_tiny", compose_config)
+    by_path = bases.base_entry(str(recipes_dir() / "sft_tiny.yaml"), compose_config)
     assert by_name.dir == by_path.dir and by_name.name == "sft_tiny"
     assert bases._build_ref("sft_tiny") == "sft_tiny"
 
@@ -95,7 +78,7 @@ def test_cycles_are_named(tmp_path):
         compose_config([f"recipe={a}"])
     selfish = write_recipe(tmp_path / "self.yaml", uses_base(str(tmp_path / "self.yaml")))
     with pytest.raises(ConfigError, match=r"cycle: self -> self"):
-        bases.resolve_base(str(selfish))
+        bases.resolve_base(str(selfish), compose_config)
     assert bases._resolving == [] and not (tmp_path / "cache" / "bases").exists()  # nothing built or locked
 
 

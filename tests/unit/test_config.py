@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from llmtrain.compose import available_recipes, compose_config, conf_dir
-from llmtrain.config import ConfigError, validate
+from llmtrain.config import ConfigError
+from llmtrain.validation import validate
 from llmtrain.models.load import model_config
 
 
@@ -120,3 +121,16 @@ def test_recipe_from_a_path(tmp_path: Path):
     recipe.write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  max_steps: 3\n")
     cfg = compose_ok(f"recipe={recipe}")
     assert cfg.trainer.max_steps == 3 and cfg.recipe == "mine"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.fused_loss=true", "config: model.fused_loss is not a field of model; model has: name_or_path,"),
+    ("trainer.max_step=3", "did you mean trainer.max_steps?"),
+    ("beta=1", "did you mean dpo.beta?"),
+    ("backend.zero_stage=2", "backend.zero_stage is a field of the deepspeed backend (backend=deepspeed/zero0"),
+    ("backend.pp=2", "backend.pp: no backend has pipeline stages yet"),
+])
+def test_an_unknown_or_misplaced_key_gets_the_projects_message(override, message):
+    with pytest.raises(ConfigError) as error:
+        compose_config(["recipe=sft_tiny", override])
+    assert message in str(error.value) and "not in struct" not in str(error.value), str(error.value)

@@ -7,7 +7,8 @@ import torch
 
 from llmtrain.backends.deepspeed_config import DeepSpeedSettings, OffloadSettings, build_ds_config, deep_merge
 from llmtrain.compose import compose_config
-from llmtrain.config import ConfigError, config_problems, validate
+from llmtrain.config import ConfigError
+from llmtrain.validation import config_problems, validate
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
 
 PRESETS = {"deepspeed": (2, "none", "none"), "zero0": (0, "none", "none"), "zero1": (1, "none", "none"),

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from llmtrain.compose import compose_config
-from llmtrain.config import ConfigError, validate
+from llmtrain.config import ConfigError
+from llmtrain.validation import validate
 from llmtrain.models.load import build_model, load_tokenizer
 from llmtrain.models.lora import (LoraSettings, adapter_dir_for, adapter_formula, count_trainable,
                                   save_adapter_and_merged, unwrap_peft)
-from tests.conftest import TOKENIZER_DIR
+from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
@@ -233,14 +234,14 @@ def test_plan_counts_the_frozen_base_as_weights_only():
     """The dry-run plan under peft=lora: the adapters' count (the formula, from the architecture alone) with grads
     and Adam, the base as fp32 weights; DPO's reference holds nothing of its own."""
     from llmtrain.metrics.flops import human
-    from llmtrain.run import describe_plan
+    from llmtrain.plan import plan_run
 
     cfg = compose_config(["recipe=lora_sft_tiny"])
-    plan = describe_plan(cfg, 1, torch.device("cpu"), "fp32")
+    plan = plan_run(cfg, 1, torch.device("cpu"), "fp32").text
     base = 539_008 - 77_824  # the run logs 77,824 trainable of 539,008 (the adapters come on top of the base)
     assert "LoRA: 77,824 trainable, the base as weights only" in plan
     assert f"≈ {human(16 * 77_824 + 4 * base, 'B', 1024)} per rank" in plan
-    dpo = describe_plan(compose_config(["recipe=lora_sft_tiny", "stage=dpo"]), 1, torch.device("cpu"), "fp32")
+    dpo = plan_run(compose_config(["recipe=lora_sft_tiny", "stage=dpo"]), 1, torch.device("cpu"), "fp32").text
     assert "reference (the policy with adapters disabled: no weights of its own)" in dpo
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmtrain.models.load import build_model, load_tokenizer
-from tests.conftest import TOKENIZER_DIR
+from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}

@@ -5,10 +5,11 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoConfig
 
-from llmtrain.backends.checks import BACKEND_CONFIG_CHECKS, BACKEND_MODEL_CHECKS
+from llmtrain.backends import BACKENDS
 from llmtrain.compose import compose_config
-from llmtrain.config import ConfigError, data_parallel_size, validate
+from llmtrain.config import ConfigError
 from llmtrain.parallel import ParallelDims
+from llmtrain.validation import data_parallel_size, validate
 
 EVERY_DEGREE = ("backend.dp_replicate=", "backend.dp_shard=", "backend.tp=")
 
@@ -73,7 +74,7 @@ def test_tp_must_divide_heads_kv_heads_and_mlp():
 
 
 def test_fsdp2_model_check_on_architectures():
-    check = BACKEND_MODEL_CHECKS["fsdp2"]
+    check = BACKENDS["fsdp2"].model_problems
     assert check(backend(tp=2), 4, arch("llama")) == []
     assert check(backend(tp=2), 2, arch("qwen2")) == []
     assert check(backend(tp=1), 2, arch("gpt2")) == []  # plain FSDP2 shards any architecture
@@ -85,7 +86,7 @@ def test_fsdp2_model_check_on_architectures():
 
 
 def test_fsdp2_config_check_through_validate():
-    assert BACKEND_CONFIG_CHECKS["fsdp2"](backend(tp=2), 4) == []
+    assert BACKENDS["fsdp2"].problems(backend(tp=2), 4) == []
     cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2_tp", "backend.dp_shard=4"])
     with pytest.raises(ConfigError, match=r"backend\.dp_shard=4 × backend\.tp=2 = 8, not the world size 4"):
         validate(cfg, world_size=4)

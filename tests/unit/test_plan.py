@@ -10,14 +10,17 @@ import sys
 
 import pytest
 
+from llmtrain.backends import BACKENDS, compared_presets
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.metrics.cost import (GB, GIB, Layout, RoleParams, activation_bytes, activation_bytes_per_layer,
                                    communication, logits_bytes, state_bytes)
 from llmtrain.metrics.devices import GPUS, resolve_gpu
 from llmtrain.models.facts import ModelFacts
-from llmtrain.plan import COMPARED, Setting, plan_row, plan_text, step_flops
-from tests.conftest import REPO, cli_env
+from llmtrain.plan import Setting, plan_row, plan_text, step_flops
+
+COMPARED = compared_presets()
+from tests.helpers import REPO, cli_env
 
 SFT_7B_8XH100 = ["recipe=sft_7b", "plan.world_size=8", "plan.gpu=h100-80gb"]
 
@@ -38,10 +41,10 @@ def setting(f: ModelFacts, *, world: int, micro: int = 1, accum: int = 1, seq: i
 
 
 def zero(stage: int, dp: int, **kw) -> Layout:
-    return Layout(name=f"zero{stage}", library="deepspeed", stage=stage, dp=dp, **kw)
+    return Layout(name=f"zero{stage}", backend=BACKENDS["deepspeed"], stage=stage, dp=dp, **kw)
 
 
-DDP = {"name": "ddp", "library": "ddp", "stage": 0}
+DDP = {"name": "ddp", "backend": BACKENDS["ddp"], "stage": 0}
 
 
 # ---- model states -------------------------------------------------------------------------------
@@ -79,9 +82,9 @@ def test_what_each_backend_holds_under_bf16_hand_computed():
     assert (z1.weights, z1.master, z1.grads, z1.optim) == (2000, 1000, 4000, 2000)
     z3 = state_bytes(r, zero(3, 4), "bf16")  # 2M/N + 4M/N + 4M/N + 8M/N = 18M/N, not the textbook 16M/N
     assert z3.held - z3.gathered == 18 * 1000 / 4
-    fsdp = state_bytes(r, Layout(name="fsdp2", library="fsdp2", stage=3, dp=4), "bf16")
+    fsdp = state_bytes(r, Layout(name="fsdp2", backend=BACKENDS["fsdp2"], stage=3, dp=4), "bf16")
     assert (fsdp.weights, fsdp.master, fsdp.grads, fsdp.optim, fsdp.gathered) == (1000, 0, 1000, 2000, 600)
-    accum = state_bytes(r, Layout(name="fsdp2", library="fsdp2", stage=3, dp=4), "bf16", grad_accum_steps=2)
+    accum = state_bytes(r, Layout(name="fsdp2", backend=BACKENDS["fsdp2"], stage=3, dp=4), "bf16", grad_accum_steps=2)
     assert (accum.grads, accum.gathered) == (4000, 2000)  # no_sync keeps gradients and weights unsharded
 
 
@@ -141,7 +144,7 @@ def test_communication_per_step_against_the_formulas():
     assert wire(zero(3, n)) == pytest.approx(3 * m * 4 * ring)
     assert wire(zero(2, n), accum=4) == pytest.approx(5 * m * 4 * ring)  # ZeRO-2 reduces every micro-batch
     assert wire(zero(3, n), "bf16") == pytest.approx((2 + 2 + 4) * m * ring)  # bf16 gathers, fp32 gradients
-    tp = Layout(name="fsdp2_tp", library="fsdp2", stage=3, dp=1, tp=2)
+    tp = Layout(name="fsdp2_tp", backend=BACKENDS["fsdp2"], stage=3, dp=1, tp=2)
     assert wire(tp, "bf16") == pytest.approx(4 * 2 * 2 * 64 * 16 * 2 * (2 - 1) / 2)  # 4 per block, L=2
 
 
@@ -205,14 +208,14 @@ def test_a_ppo_iteration_by_hand():
     it = RLIteration(samples=64, mini_batch=16, epochs=2, micro=16, on_policy=False)
     schedule = it.schedule(dp=2)
     assert (schedule.updates, schedule.update_micro, schedule.experience_micro) == (8, 1, 2)
-    ddp = Layout(name="ddp", library="ddp", stage=0, dp=2, tp=1)
+    ddp = Layout(name="ddp", backend=BACKENDS["ddp"], stage=0, dp=2, tp=1)
     roles = {"actor": (RoleParams(trainable=100), True), "critic": (RoleParams(trainable=90), True),
              "reference": (RoleParams(trainable=0, frozen=100), False)}
     shape = dict(tokens_per_micro=16 * 32, hidden=8, layers=2, checkpointing=False, on_gpu=False)
     sent = [(c.what, c.payload * c.times) for c in rl_communication(roles, ddp, "fp32", schedule, **shape) if c.payload]
     assert sent == [("actor update: gradients", 8 * 4 * 100), ("critic update: gradients", 8 * 4 * 90)]
 
-    zero3 = Layout(name="zero3", library="deepspeed", stage=3, dp=2, tp=1)
+    zero3 = Layout(name="zero3", backend=BACKENDS["deepspeed"], stage=3, dp=2, tp=1)
     on_policy = RLIteration(samples=8, mini_batch=8, epochs=1, micro=4, on_policy=True).schedule(dp=2)
     grpo = {"actor": roles["actor"], "reference": roles["reference"]}
     whats = [c.what for c in rl_communication(grpo, zero3, "fp32", on_policy, **shape)]

@@ -8,13 +8,14 @@ import torch
 from transformers import AutoModelForSequenceClassification, LlamaConfig
 
 from llmtrain.compose import compose_config
-from llmtrain.config import ConfigError, config_problems
+from llmtrain.config import ConfigError
+from llmtrain.validation import config_problems
 from llmtrain.models.heads import scores_at, sequence_scores
 from llmtrain.models.init import module_seed, seeded_init
 from llmtrain.models.load import load_tokenizer, use_distinct_pad_token
 from llmtrain.roles import check_same_data_parallel
 from llmtrain.stages.preference import collate_pairs, last_token_index
-from tests.conftest import TOKENIZER_DIR
+from tests.helpers import TOKENIZER_DIR
 
 EOS, PAD_AS_EOS = 257, 257
 
@@ -161,10 +162,10 @@ def test_pair_stage_config_errors_name_the_field(overrides, message):
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "reward", "dpo"])
 def test_planner_roles_agree_with_the_stages(stage):
     """The planner's role table (read before any stage exists) is what each built stage declares."""
-    from llmtrain.stages import build_stage, stage_roles
+    from llmtrain.stages.registry import build_stage, stage_roles
 
     data = {"pretrain": "data=grammar", "sft": "data=reverse", "reward": "data=reverse_prefs",
             "dpo": "data=reverse_prefs_easy"}[stage]
     cfg = compose_config(["recipe=sft_tiny", f"stage={stage}", data, "data.packing=false"])
     built = build_stage(cfg, load_tokenizer(str(TOKENIZER_DIR), False), "sdpa_segments")
-    assert {role: spec.trainable for role, spec in built.roles.items()} == stage_roles(stage)
+    assert {role: spec.trainable for role, spec in built.roles.items()} == {role: spec.trainable for role, spec in stage_roles(cfg).items()}

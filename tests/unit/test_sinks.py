@@ -19,6 +19,7 @@ def test_console_off_a_terminal_prints_lines_and_runs_no_live_display(capsys):
 
 def test_wandb_names_group_flat_keys_by_one_table():
     from llmtrain.metrics.sinks import wandb_key
+    from llmtrain.stages.registry import stage_spec
 
     expected = {("loss", "sft"): "train/loss", ("eval_accuracy", "sft"): "eval/accuracy",
                 ("tokens_per_s", "sft"): "perf/tokens_per_s", ("mfu", "sft"): "perf/mfu",
@@ -28,7 +29,7 @@ def test_wandb_names_group_flat_keys_by_one_table():
                 ("accuracy", "reward"): "reward/accuracy", ("chosen_reward", "dpo"): "dpo/chosen_reward",
                 ("loss", "dpo"): "train/loss", ("critic_memory_r0_grads", "ppo"): "memory/critic_r0_grads",
                 ("samples_per_s", "ppo"): "perf/samples_per_s", ("time_rollout_s", "ppo"): "ppo/time_rollout_s"}
-    assert {k: wandb_key(*k) for k in expected} == expected
+    assert {(key, stage): wandb_key(key, stage_spec(stage).metric_group) for key, stage in expected} == expected
 
 
 def test_redact_hides_credential_keys_and_token_shaped_values_only():

@@ -3,15 +3,19 @@ imported here, before any model loads: a wrong `module:attribute` fails fast, on
 
 from __future__ import annotations
 
+from llmtrain.config import ConfigError
 from llmtrain.losses.advantages import needs_critic
 from llmtrain.losses.kl import build_kl_controller
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.stages.base import ModelSource, RoleSpec
+from llmtrain.stages.ppo.checks import ppo_problems
+from llmtrain.stages.ppo.config import PPOConfig
 from llmtrain.stages.ppo.experience import ExperienceSettings
 from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_function, reward_model_statistics
 from llmtrain.stages.ppo.rollout import SamplingSettings
 from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
+from llmtrain.stages.spec import PROMPT_FORMATS, RLShape, StageSpec
 
 
 def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
@@ -22,7 +26,7 @@ def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
     reward_source = None if p.reward.model is None else ModelSource(p.reward.model,
                                                                    trust_remote_code=source.trust_remote_code)
     roles = {"actor": RoleSpec(source, head="lm", trainable=True, lr=p.actor.lr)}
-    if needs_critic[p.advantage]:
+    if needs_critic.get(p.advantage, False):
         critic_source = reward_source if p.critic.init == "reward" else source  # policy: a fresh, seeded value head
         roles["critic"] = RoleSpec(critic_source, head="scalar", trainable=True, lr=p.critic.lr)
     # under peft=lora: the actor with its adapters off (no second copy of the base); else a frozen copy
@@ -66,15 +70,37 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty,
                            statistics=reward_model_statistics(r.model) if r.normalize else None)
     if r.normalize and shaping.statistics is None:
-        from llmtrain.config import ConfigError
-
         raise ConfigError(f"ppo.reward.normalize=true: {r.model}/config.json has no reward_mean/reward_std (a reward "
                           "model trained by llmtrain's stage=reward exports them); set ppo.reward.normalize=false")
     stage = PPOStage(ppo_roles(cfg, source), tokenizer, sampling=sampling, eval_sampling=eval_sampling,
                      experience=experience, update=update,
                      kl_controller=build_kl_controller(p.kl.coef if p.kl.in_reward else 0.0, p.kl.target, p.kl.horizon),
                      shaping=shaping, reward_function=load_reward_function(r.function) if r.function else None,
-                     prompts_per_step=rollout.prompts_per_step, seed=t.seed)
+                     prompts_per_step=rollout.prompts_per_step, seed=t.seed,
+                     attention=attention_for_rollouts(attn_implementation))
     stage.name = cfg.stage.name
-    stage.attn_implementation = attention_for_rollouts(attn_implementation)
     return stage
+
+
+def rl_shape(cfg) -> RLShape:
+    p, rollout = cfg.ppo, cfg.ppo.rollout
+    return RLShape(samples=rollout.prompts_per_step * rollout.n_samples_per_prompt, mini_batch=p.mini_batch_size,
+                   epochs=p.epochs, micro=cfg.trainer.micro_batch_size, on_policy=old_logps_from_update(p),
+                   max_new_tokens=rollout.max_new_tokens, prompts_per_step=rollout.prompts_per_step,
+                   samples_per_prompt=rollout.n_samples_per_prompt)
+
+
+def max_prompt_len(cfg) -> int:
+    return cfg.data.max_seq_len - cfg.ppo.rollout.max_new_tokens
+
+
+def rl_spec(name: str) -> StageSpec:
+    return StageSpec(name=name, build=build, roles=ppo_roles, data_formats=PROMPT_FORMATS,
+                     data_hint="generates from prompts: data.format={format} must be prompt, prompt_response or "
+                               "messages", count_name="samples", metric_group="ppo", config_node="ppo",
+                     config_class=PPOConfig, problems=lambda cfg, dp: ppo_problems(cfg, name, dp), prompts=True,
+                     max_prompt_len=max_prompt_len, rl_shape=rl_shape)
+
+
+# GRPO is this stage with group-relative advantages and the KL as a loss term (conf/stage/grpo.yaml presets them)
+STAGE_SPECS = (rl_spec("ppo"), rl_spec("grpo"))

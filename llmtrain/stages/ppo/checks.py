@@ -1,12 +1,15 @@
 """The rules of ppo.* and what PPO needs from the rest of the config: every problem, each naming the field and
-the fix, found before any model loads (called by config.stage_problems)."""
+the fix, found before any model loads (the ppo and grpo specs' `problems`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.losses.advantages import needs_critic
+from llmtrain.backends import parallel_degrees
+from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+from llmtrain.losses.kl import KL_ESTIMATORS
 
+CRITIC_INITS = ("policy", "reward")
 SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding masks: wrong for left-padded prompts
 
 
@@ -17,9 +20,10 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if stage == "grpo" and p.advantage != "grpo":
         problems.append(f"stage=grpo uses group-relative advantages: ppo.advantage={p.advantage!r} must be grpo "
                         "(or use stage=ppo for gae with a critic)")
-    if d.format not in ("prompt", "prompt_response", "messages"):
-        problems.append(f"stage {stage} generates from prompts: data.format={d.format!r} must be prompt, prompt_response "
-                        "or messages")
+    choices = {"ppo.advantage": (p.advantage, tuple(ADVANTAGE_ESTIMATORS)), "ppo.kl.estimator": (kl.estimator, tuple(KL_ESTIMATORS)),
+               "ppo.critic.init": (p.critic.init, CRITIC_INITS)}
+    problems += [f"{name}={value!r} is not one of {', '.join(allowed)}" for name, (value, allowed) in choices.items()
+                 if value not in allowed]
     if d.packing:
         problems.append(f"stage {stage} generates from prompts, nothing is packed: set data.packing=false")
     if m.dropout > 0:
@@ -52,9 +56,10 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if rollout.max_new_tokens >= d.max_seq_len:
         problems.append(f"ppo.rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
                         f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len")
-    if cfg.backend.name == "fsdp2" and cfg.backend.tp > 1:
-        problems.append(f"stage {stage} with backend.tp={cfg.backend.tp}: generation under tensor parallelism is not "
-                        "supported yet; use backend.tp=1 (backend=fsdp2)")
+    tp = parallel_degrees(cfg.backend)["tp"]
+    if tp > 1:
+        problems.append(f"stage {stage} with backend.tp={tp}: generation under tensor parallelism is not "
+                        f"supported yet; use backend.tp=1 (backend={cfg.backend.name})")
     if t.grad_accum_steps != 1:
         problems.append(f"stage {stage}: a mini-batch is one optimizer step (ppo.mini_batch_size sequences, global); "
                         f"trainer.grad_accum_steps={t.grad_accum_steps} must be 1")

@@ -22,7 +22,7 @@ from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (action_logits, action_logps, entropy_from_logits, explained_variance,
                                 policy_loss_terms, value_clipped, value_loss_terms)
 from llmtrain.parallel import all_reduce_max
-from llmtrain.stages.base import RoleSpec, Updater, reduce_sums
+from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.ppo.experience import (Experience, ExperienceSettings, gather_rollout, make_experience,
                                             update_layout, values_of)
 from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, reward_model_scores
@@ -45,26 +45,29 @@ class UpdateSettings:
     temperature: float
 
 
-class PPOStage:
+class PPOStage(Stage):
     name = "ppo"
     count_name = "samples"
 
     def __init__(self, roles: dict[str, RoleSpec], tokenizer, *, sampling: SamplingSettings, eval_sampling: SamplingSettings,
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
-                 reward_function=None, prompts_per_step: int, seed: int):
+                 reward_function=None, prompts_per_step: int, seed: int, attention: str = "sdpa"):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
         self.kl_controller, self.shaping, self.reward_function = kl_controller, shaping, reward_function
-        self.prompts_per_step, self.seed = prompts_per_step, seed
+        self.prompts_per_step, self.seed, self.rollout_attention = prompts_per_step, seed, attention
         self.collate = partial(collate_prompts, pad_token_id=tokenizer.pad_token_id)
         eos = tokenizer.eos_token_id
         self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
         self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
 
     # ---- data layout -----------------------------------------------------------------------------
-    def fetch_layout(self, dp_size: int) -> tuple[int, int]:
+    def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
         """(prompts per fetch, fetches per step) on each rank: one batch of this rank's share of the prompts."""
         return self.prompts_per_step // dp_size, 1
+
+    def attention(self, resolved: str) -> str:
+        return self.rollout_attention
 
     def optimizer_steps_per_step(self) -> int:
         samples = self.prompts_per_step * self.sampling.n_samples_per_prompt

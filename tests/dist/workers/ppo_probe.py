@@ -6,7 +6,7 @@
    size; rank r holds rows r·8/world ..): the update is the same on 1 rank and on 2.
 Writes one JSON per rank to OUT/rank<r>.json.
 
-usage: torchrun ... tests/dist/ppo_probe.py MODEL_DIR BACKEND OUT
+usage: torchrun ... -m tests.dist.workers.ppo_probe MODEL_DIR BACKEND OUT
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from llmtrain.models.load import load_tokenizer
 from llmtrain.parallel import init_distributed, quiesce, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run import backend_options, optimizer_spec
-from llmtrain.stages import build_stage
+from llmtrain.stages.registry import build_stage
 from llmtrain.stages.ppo.experience import gather_rollout, make_experience
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, generate
 from llmtrain.trainer import Updater

@@ -1,0 +1,114 @@
+"""The FSDP2 backend's descriptor: its typed group, its degrees on ParallelDims (dp_replicate × dp_shard × tp), its
+checks, and what the planner says it holds and moves (backends/fsdp2.py is the engine).
+
+Holds per rank (T trainable, F frozen parameters of a role, N dp ranks): fp32 shards 4(T+F)/N (the optimizer's
+masters: no separate copy), fp32 gradient shards 4T/N, Adam 8T/N, and the unsharded 16-bit blocks being computed.
+With accumulation (no_sync) gradients and weights stay unsharded between micro-batches: 4T whole gradients and every
+weight gathered. TP splits the fraction of parameters its plan covers by t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmtrain.backends.spec import BackendSpec
+from llmtrain.config import BackendNode
+from llmtrain.metrics.cost import Collective, Layout, RoleParams, StateBytes
+from llmtrain.parallel import ParallelDims
+
+
+@dataclass
+class FSDP2Config(BackendNode):
+    """`backend=fsdp2` / `fsdp2_tp`: world = dp_replicate × dp_shard × tp; dp_shard -1 = infer."""
+    name: str = "fsdp2"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    compile: bool = False
+
+
+def degrees(backend: Any) -> dict[str, int]:
+    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "tp": backend.tp}
+
+
+def problems(backend: Any, world_size: int) -> list[str]:
+    """world = dp_replicate × dp_shard × tp (dp_shard -1: inferred)."""
+    return ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size)
+
+
+def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
+    """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp."""
+    from llmtrain.models.tp import tp_plan_problems
+
+    if backend.tp <= 1 or problems(backend, world_size):
+        return []
+    plan_problems = tp_plan_problems(arch, backend.tp)
+    if plan_problems:
+        return plan_problems
+    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size)
+    heads = arch.num_attention_heads
+    return dims.model_problems(model_type=arch.model_type, num_heads=heads,
+                               num_kv_heads=getattr(arch, "num_key_value_heads", None) or heads,
+                               intermediate_size=getattr(arch, "intermediate_size", None))
+
+
+def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
+    """model_problems on the planner's model facts (no transformers config at hand)."""
+    if backend.tp <= 1:
+        return []
+    if not facts.tp_params:
+        return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
+    return ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size).model_problems(
+        model_type=facts.model_type, num_heads=facts.heads, num_kv_heads=facts.kv_heads,
+        intermediate_size=facts.intermediate)
+
+
+def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
+    """fp32 shards always; the MixedPrecisionPolicy (bf16 gathers) on a GPU with bf16 only (backends/fsdp2.py)."""
+    split = 1 - r.tp_fraction + r.tp_fraction / lay.tp  # per-rank share after TP
+    t, f, n = r.trainable * split, r.frozen * split, lay.dp
+    w = 2 if on_gpu and precision == "bf16" else 4
+    unsharded = accum > 1 and t > 0  # no_sync: gradients and weights kept whole between micro-batches
+    s = StateBytes(weights=4 * (t + f) / n, master=0.0, grads=4 * t if unsharded else 4 * t / n, optim=8 * t / n,
+                   gathered=w * (t + f) if unsharded else w * r.working * split)
+    if lay.offload_param == "cpu":  # CPUOffloadPolicy: shards, gradients and the optimizer step on the host
+        return StateBytes(s.weights, s.master, s.grads, s.optim, s.gathered, host=s.weights + s.grads + s.optim)
+    return s
+
+
+def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> list[Collective]:
+    """The root (embeddings, head) is not resharded after forward; gradients reduce on the last micro-batch."""
+    t, f, n, k = role.trainable, role.frozen, lay.dp, accum
+    split = 1 - role.tp_fraction + role.tp_fraction / lay.tp
+    wg = 2 if on_gpu and precision == "bf16" else 4
+    whole, blocks = wg * (t + f) * split, wg * (t + f) * split * role.block_fraction
+    if not t:
+        return [Collective("weights, forward", "all_gather", whole, n, k)]
+    # no_sync keeps every unit gathered after each backward but the last's: one forward gather a step; blocks
+    # resharded after each forward are gathered again in each backward (measured, tests/dist)
+    out = [Collective("weights, forward", "all_gather", whole, n)]
+    if lay.reshard_after_forward:
+        out.append(Collective("weights, backward", "all_gather", blocks, n, k))
+    out.append(Collective("gradients", "reduce_scatter", 4 * t * split, n))
+    return out
+
+
+def gathers(lay: Layout, facts: Any) -> tuple[int, float | None]:
+    """Two blocks and the root unit (embeddings, final norm, head: one group, gathered whole) at once."""
+    return 2 * facts.block + facts.params - facts.layers * facts.block, None
+
+
+def layout(name: str, backend: FSDP2Config, dims: ParallelDims, hidden: int) -> Layout:
+    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp,
+                  offload_param="cpu" if backend.cpu_offload else "none",
+                  reshard_after_forward=backend.reshard_after_forward)
+
+
+SPEC = BackendSpec(name="fsdp2", engine="llmtrain.backends.fsdp2:FSDP2Backend", config_class=FSDP2Config,
+                   presets=("fsdp2", "fsdp2_tp"), compared=("fsdp2", "fsdp2_tp"), degrees=degrees,
+                   problems=problems, model_problems=model_problems, plan_problems=plan_problems, layout=layout,
+                   row_name=lambda backend: backend.name + ("_tp" if backend.tp > 1 else ""), holdings=holdings,
+                   collectives=collectives, gathers=gathers)

@@ -1,0 +1,67 @@
+"""stage=ppo / stage=grpo: the `ppo` config node (its rules: stages/ppo/checks.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class PPORoleConfig:
+    lr: Optional[float] = None  # the role's peak lr; null: optim.lr (the schedule and the rest of optim are shared)
+
+
+@dataclass
+class PPOCriticConfig(PPORoleConfig):
+    init: str = "policy"  # policy: the actor's weights with a fresh value head | reward: ppo.reward.model, head kept
+
+
+@dataclass
+class PPORewardConfig:
+    """Exactly one of `model` (a reward model directory: a frozen role) and `function` (`module:attribute`)."""
+    model: Optional[str] = None
+    function: Optional[str] = None  # score(prompts, responses, **columns) -> list[float]
+    clip: Optional[float] = None  # scores clipped to [-clip, clip]
+    normalize: bool = False  # (score - reward_mean) / reward_std with the reward model's exported statistics
+    missing_eos_penalty: Optional[float] = None  # added to the score of a response that ended without EOS
+
+
+@dataclass
+class PPORolloutConfig:
+    prompts_per_step: int = 16  # global, per iteration (trainer.max_steps counts iterations)
+    n_samples_per_prompt: int = 1  # GRPO: the group size (>= 2)
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    use_cache: bool = True  # the KV cache during generation (the benchmark measures without it)
+    eval_max_new_tokens: Optional[int] = None  # greedy held-out generation; null: max_new_tokens
+
+
+@dataclass
+class PPOKLConfig:
+    coef: float = 0.05  # β
+    estimator: str = "k1"  # k1 | k2 | k3 (Schulman): per-token estimate of KL(π || π_ref)
+    in_reward: bool = True  # true: r_t -= β·KL_t (PPO); false: β·KL as a loss term (GRPO)
+    target: Optional[float] = None  # adaptive controller (Ziegler et al.): the per-sequence KL to hold
+    horizon: int = 10000  # samples over which the adaptive coefficient moves
+
+
+@dataclass
+class PPOConfig:
+    """stage=ppo / stage=grpo: one trainer step = one rollout + ppo.epochs passes over it in mini-batches."""
+    actor: PPORoleConfig = field(default_factory=PPORoleConfig)
+    critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
+    reward: PPORewardConfig = field(default_factory=PPORewardConfig)
+    rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
+    kl: PPOKLConfig = field(default_factory=PPOKLConfig)
+    advantage: str = "gae"  # gae (critic) | grpo (group-relative, no critic)
+    epochs: int = 1
+    mini_batch_size: int = 16  # sequences per optimizer step, global
+    clip_eps: float = 0.2
+    value_clip_eps: Optional[float] = 0.2  # null: unclipped value loss
+    value_coef: float = 1.0  # the critic's loss scale (its own optimizer: only its lr-relative size matters)
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True

@@ -1,0 +1,59 @@
+"""Every problem with a config that can be found without the model weights or the data, collected from each
+component that owns a field: the schema (config.py), the registries' names, the backend, the stage, peft.
+
+Runs on every rank before any model loads; all problems are raised together as one ConfigError whose lines each
+name the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.backends import BACKENDS, backend_problems, backends_that, data_parallel_size
+from llmtrain.config import ConfigError, batch_problems, choice_problems, schema_problems
+from llmtrain.data.formats import FORMATS
+from llmtrain.data.prompts import PROMPT_FORMATS
+from llmtrain.models.lora_checks import PEFT_METHODS, peft_problems, qlora_problems
+from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
+
+DATA_FORMATS = (*FORMATS, *(f for f in PROMPT_FORMATS if f not in FORMATS))
+
+
+def registry_choices() -> dict[str, tuple]:
+    return {"data.format": DATA_FORMATS, "backend.name": tuple(BACKENDS), "stage.name": stage_names(),
+            "peft.name": PEFT_METHODS}
+
+
+def stage_problems(cfg: Any, dp: int = 1) -> list[str]:
+    """The chosen stage's own fields, and what it needs from data and model (`dp`: the data-parallel size)."""
+    if cfg.stage.name not in stage_names():
+        return []  # named by the choices
+    spec = stage_spec(cfg.stage.name)
+    problems = []
+    if cfg.data.format not in spec.data_formats:
+        problems.append(f"stage {spec.name} {spec.data_hint.format(format=repr(cfg.data.format))}")
+    return problems + spec.problems(cfg, dp)
+
+
+def config_problems(cfg: Any, world_size: int) -> list[str]:
+    problems = schema_problems(cfg) + choice_problems(cfg, registry_choices())
+    dp = data_parallel_size(cfg.backend, world_size)
+    problems += batch_problems(cfg.trainer, dp)
+    problems += backend_problems(cfg.backend, world_size)
+    problems += stage_problems(cfg, dp)
+    problems += peft_problems(cfg.peft, cfg.backend, reference_off_adapters(cfg))
+    return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
+
+
+def reference_off_adapters(cfg: Any) -> str | None:
+    """The stage whose frozen reference is, under peft=lora, the policy with its adapters disabled (None: none)."""
+    if cfg.stage.name not in stage_names():
+        return None
+    roles = stage_roles(cfg)
+    return cfg.stage.name if any(spec.adapter_off_of for spec in roles.values()) else None
+
+
+def validate(cfg: Any, world_size: int) -> None:
+    problems = config_problems(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,111 @@
+"""Fixtures shared by the torchrun tests of tests/dist: the SFT arguments several backends' runs start from, the
+per-step comparison of two runs' metrics, the preference (RM/DPO) pair-run arguments, and the checks of the live
+cost a 2-rank run logs on its first steps (llmtrain/metrics/live.py, comm.py) against the planner's figures in the
+same records. Each fixture hands out a plain function; the workers that torchrun starts are in tests/dist/workers/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, read_metrics
+
+# ---- SFT runs: the arguments the runs of test_ddp.py, test_deepspeed.py and test_lora.py start from --------------
+
+def _base_args(model_dir, out_dir, *extra):
+    return ["recipe=sft_tiny", f"model.name_or_path={model_dir}", "model.from_config=null", "model.tokenizer=null",
+            f"output_dir={out_dir}", "trainer.eval_every_n_steps=0", "data.eval_files=[]",
+            "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2", *extra]
+# later overrides of the same key win (Hydra applies them in order)
+
+
+@pytest.fixture(scope="session")
+def base_args():
+    """`base_args(model_dir, out_dir, *extra)`: a tiny SFT run's arguments from a saved model folder, no eval."""
+    return _base_args
+
+
+# ---- the per-step comparison of two runs -------------------------------------------------------------------------
+
+def _assert_close_series(ours, reference, key, first_rel, rel, atol=0.0):
+    """Per step |a − b| ≤ tol·|b| + atol (tol: first_rel on the first step, rel after); `atol` for values that are
+    small differences of near-cancelling sums (PPO's KL)."""
+    assert len(ours) == len(reference)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        tolerance = first_rel if i == 0 else rel
+        assert abs(a[key] - b[key]) <= tolerance * abs(b[key]) + atol, f"step {i + 1} {key}: {a[key]} vs {b[key]}"
+
+
+@pytest.fixture(scope="session")
+def assert_close_series():
+    """`assert_close_series(ours, reference, key, first_rel, rel, atol=0.0)` on two runs' metric records."""
+    return _assert_close_series
+
+
+# ---- preference pair runs (tests/dist/test_preference.py, test_lora.py) -------------------------------------------
+
+DATA = REPO / "llmtrain" / "assets" / "data"
+PAIRS = ["trainer.max_steps=6", "trainer.grad_accum_steps=2", "trainer.micro_batch_size=2",
+         "trainer.save_every_n_steps=3", "trainer.keep_last_k=3", "trainer.eval_every_n_steps=3",
+         "trainer.eval_batch_size=16", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2",
+         "optim.weight_decay=0.1", "model.from_config=null", "model.tokenizer=null"]
+PAIR_STAGES = {"rm": ["recipe=rm_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_eval.jsonl'}]"],
+               "dpo": ["recipe=dpo_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_easy_eval.jsonl'}]",
+                       "dpo.beta=0.5"]}
+
+
+@pytest.fixture(scope="session")
+def pair_args():
+    """`pair_args(stage)`: a pair run's arguments for stage "rm" or "dpo" (6 steps of 8 pairs: micro 2 pairs ×
+    accumulation 2 × 2 ranks, fp32, saved at step 3, eval at 0, 3, 6), before the model, backend and output folder."""
+    return lambda stage: [*PAIR_STAGES[stage], *PAIRS]
+
+
+# ---- the live cost of a 2-rank run next to the plan --------------------------------------------------------------
+
+def _model_states(record: dict, rank: int) -> float:
+    """The ledger's per-rank model states after the first step: DeepSpeed's has a total, the others name the parts."""
+    total = record.get(f"memory_r{rank}_total_bytes")
+    return total if total is not None else sum(record[f"memory_r{rank}_{k}"] for k in ("params", "grads", "optimizer"))
+
+
+def _live_errors(run_dir: Path, ranks: int = 2) -> dict[str, float]:
+    """Relative error (measured / planned - 1) of the model states (step 1), step 2's activations and counted
+    communication, worst rank. Step 2: the first step may run one-time collectives (DeepSpeed's first ZeRO-3 trace)."""
+    first, second = read_metrics(run_dir)[0][:2]
+    assert second["step"] == 2
+    errors = {"states": max((_model_states(first, r) / first["plan_memory_state"] - 1 for r in range(ranks)), key=abs)}
+    for key in ("activations", "payload", "wire"):  # activations: each rank's plan is at its own batch shape
+        pairs = [(second[f"memory_r{r}_activations"], second[f"memory_r{r}_plan_activations"]) if key == "activations"
+                 else (second[f"comm_r{r}_{key}"], second[f"plan_comm_{key}"]) for r in range(ranks)]
+        assert all(m > 0 and p > 0 for m, p in pairs), (key, pairs)
+        errors[key] = max((m / p - 1 for m, p in pairs), key=abs)
+    for key in second:  # every kind the plan has was counted, within 5 % per kind on every rank
+        if key.startswith("plan_comm_") and key.count("_") > 3:
+            kind_key = key[len("plan_comm_"):]
+            for rank in range(ranks):
+                measured = second[f"comm_r{rank}_{kind_key}"]
+                assert abs(measured - second[key]) <= 0.05 * second[key], \
+                    f"rank {rank} {kind_key}: {measured} vs {second[key]}"
+    third = read_metrics(run_dir)[0][2]
+    assert not any(k.startswith(("comm_", "plan_comm", "plan_memory")) for k in third)  # counting is off after 2
+    return errors
+
+
+def _assert_live_cost_matches_the_plan(run_dir: Path, ranks: int = 2, states: bool = True) -> dict[str, float]:
+    """`states=False` where the ledger (read after the optimizer step) and the plan (the peak between micro-batches)
+    hold different things: FSDP2 with accumulation keeps whole gradients between micro-batches, sharded after."""
+    errors = _live_errors(run_dir, ranks)
+    assert not states or abs(errors["states"]) <= 0.05, errors
+    assert abs(errors["activations"]) <= 0.25, errors
+    assert abs(errors["payload"]) <= 0.05 and abs(errors["wire"]) <= 0.05, errors
+    print(f"{run_dir.name}: " + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items()))
+    return errors
+
+
+@pytest.fixture(scope="session")
+def assert_live_cost_matches_the_plan():
+    """`assert_live_cost_matches_the_plan(run_dir, ranks=2, states=True) -> errors`: the live cost of a run the
+    backend tests make anyway, against the plan in the same records."""
+    return _assert_live_cost_matches_the_plan

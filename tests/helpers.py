@@ -1,0 +1,111 @@
+"""Plain helpers shared by every test folder and by the workers (tests/*/workers/): the repo's paths, a saved tiny
+model folder, CLI runners, metrics readers, assertions on a run's exit, and the recipe files of the ${base:...}
+tests. Fixtures live in the conftest.py files; this module holds no fixture and no test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = REPO / "llmtrain" / "assets" / "tokenizer"
+PYTHON = sys.executable
+
+
+def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0) -> Path:
+    """A random tiny model + the shipped tokenizer, saved with save_pretrained (loaded by from_pretrained)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if model_type == "gpt2":
+        sizes = dict(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def cli_env(**extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], *, nproc: int = 1, env: dict | None = None, timeout: int = 600,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m llmtrain ARGS` (nproc=1, no launcher) or `torchrun --nproc_per_node N -m llmtrain ARGS`."""
+    if nproc == 1:
+        cmd = [PYTHON, "-m", "llmtrain", *args]
+    else:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+               "-m", "llmtrain", *args]
+    return subprocess.run(cmd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or REPO)
+
+
+def run_recipe(tmp_path_factory, recipe: str, *extra: str) -> Path:
+    """`python -m llmtrain recipe=RECIPE` as a user runs it, into a fresh folder (one run serves a module)."""
+    out = tmp_path_factory.mktemp(recipe)
+    assert_ok(run_cli([f"recipe={recipe}", *extra, f"output_dir={out}"], timeout=1200))
+    return out
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) from metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in records if "loss" in r], [r for r in records if any(k.startswith("eval_") for k in r)]
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+
+def worker_exit_codes(stderr: str) -> list[int]:
+    """The workers' exit codes in torchrun's failure report (the first to exit, and any it saw fail before it
+    stopped the others; a worker torchrun stopped shows -15)."""
+    import re
+
+    return [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+
+
+def assert_stopped_nonfinite(result: subprocess.CompletedProcess, *, nproc: int, step: int) -> None:
+    """A run stopped by the non-finite rule: every rank printed the message naming the step, and exited with 3
+    (one process: the exit code itself; under torchrun: the failure report, where a rank stopped by torchrun
+    after the first one exited shows SIGTERM)."""
+    for rank in range(nproc):
+        assert f"llmtrain: stopped on rank {rank}: step {step}: " in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("is not finite; all ranks stop here") == nproc, result.stderr[-3000:]
+    if nproc == 1:
+        assert result.returncode == 3, result.stderr[-3000:]
+        return
+    codes = worker_exit_codes(result.stderr)
+    assert result.returncode != 0 and 3 in codes and set(codes) <= {3, -15}, (codes, result.stderr[-3000:])
+
+
+# ---- recipe files for the ${base:...} tests (tests/unit/test_bases.py, tests/e2e/test_bases.py) -----------------
+
+HEADER = """defaults:
+  - config
+  - override stage: sft
+  - override model: tiny_llama
+  - override data: reverse
+  - _self_
+"""
+TINY_BASE = "trainer:\n  max_steps: 2\n  micro_batch_size: 8\n"
+
+
+def write_recipe(path: Path, body: str = TINY_BASE) -> Path:
+    path.write_text(HEADER + body)
+    return path
+
+
+def uses_base(ref: str, extra: str = "") -> str:
+    return f"model:\n  name_or_path: ${{base:{ref}}}\n  from_config: null\n  tokenizer: null\n{TINY_BASE}{extra}"
