@@ -70,9 +70,9 @@ def worker(out_dir: Path, argv: list[str]) -> None:
 
 
 def llm_args(out_dir: Path, steps: int, layers: int) -> list[str]:
-    model = ("{model_type:llama,hidden_size:768,intermediate_size:2048,num_hidden_layers:%d,"
+    model = (f"{{model_type:llama,hidden_size:768,intermediate_size:2048,num_hidden_layers:{layers},"
              "num_attention_heads:12,num_key_value_heads:4,max_position_embeddings:512,"
-             "tie_word_embeddings:false}" % layers)
+             "tie_word_embeddings:false}")
     return ["recipe=sft_tiny", "backend=fsdp2", f"model.from_config={model}", f"output_dir={out_dir / 'run'}",
             f"trainer.max_steps={steps}", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=1",
             "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0", "trainer.log_every_n_steps=0",

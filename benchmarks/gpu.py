@@ -40,6 +40,7 @@ def flops_per_target_token(samples: list[dict], params_no_embedding: int) -> flo
 
 def run_suite(args, work: Path, tmp: Path, info: dict) -> dict:
     import torch
+
     import report
     import throughput as T
 

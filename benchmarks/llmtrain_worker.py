@@ -103,11 +103,12 @@ def output_dir(overrides: list[str]) -> Path:
 
 def packing_check(overrides: list[str]) -> dict:
     """llmtrain's packed path (its data pipeline, collate and batch preparation) on the exported weights."""
+    import torch
+
     from llmtrain.data.collate import collate
     from llmtrain.data.pipeline import build_data
     from llmtrain.models.load import load_tokenizer
     from llmtrain.run import batch_preparer
-    import torch
     from workers import isolation_check
 
     kv = dict(o.split("=", 1) for o in overrides)
@@ -116,8 +117,9 @@ def packing_check(overrides: list[str]) -> dict:
                       eval_split=None, eval_fraction=0.0, fmt="prompt_response", max_seq_len=C.MAX_SEQ_LEN,
                       overlong="truncate", packing=True, tokenizer=tok, seed=0)
     batch = collate([data.train[i] for i in range(C.GLOBAL_BATCH_ROWS_PACKED)], pad_token_id=tok.pad_token_id)
-    from llmtrain.models import load
     from transformers import AutoModelForCausalLM
+
+    from llmtrain.models import load
 
     # what the run trained with: "sdpa" with collate's dense block mask (eff726e and before), or llmtrain's own
     # "sdpa_segments" (registered with transformers by name; the batch carries the sample lengths)

@@ -2,7 +2,8 @@
 
     python benchmarks/throughput.py --suite lora [--rounds 3] [--warmup 3] [--steps 20] [--profile] [--all]
     python benchmarks/lora.py trl-sft --model DIR --steps N --warmup W --out R.json [--variant lora|full] [--profile F]
-    python benchmarks/lora.py split --model DIR [--reps 10] [--out R.json]   # CPU-s of forward/backward/update, full vs LoRA
+    # CPU-s of forward/backward/update, full vs LoRA:
+    python benchmarks/lora.py split --model DIR [--reps 10] [--out R.json]
 
 The second line is one TRL run, as the suite starts it (the llmtrain runs go through llmtrain_worker.py,
 i.e. `llmtrain.__main__.main`). Like for like, every contender in its own process, one torch thread, fp32 CPU:
@@ -80,6 +81,7 @@ def run_trl(args) -> dict:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
+
     import workers as W
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -301,7 +303,8 @@ def _bytes(memory: dict) -> str:
 
 def table(result: dict) -> str:
     s, p = result["summary"], result["lora"]
-    lines = [f"Model {p['model']}; data {p['data']}; packed rows of {p['max_len']} tokens, {p['rows_per_step']} rows per "
+    lines = [f"Model {p['model']}; data {p['data']}; packed rows of {p['max_len']} tokens, "
+             f"{p['rows_per_step']} rows per "
              f"optimizer step; LoRA r {p['r']}, alpha {p['alpha']}, dropout 0, {p['target_modules']}; AdamW lr "
              f"{p['lr']} constant; fp32, 1 process, 1 thread. Medians over rounds.", "",
              "| " + " | ".join(c.rstrip(":") for c in COLUMNS) + " |",
@@ -314,7 +317,8 @@ def table(result: dict) -> str:
             continue
         m = lambda key: e[key]["median"]  # noqa: E731
         trainable = e.get("trainable_parameters")
-        lines.append(f"| {name} | {m('tokens_per_s'):,.0f} | {e['tokens_per_s']['min']:,.0f}–{e['tokens_per_s']['max']:,.0f} "
+        lines.append(f"| {name} | {m('tokens_per_s'):,.0f} "
+                     f"| {e['tokens_per_s']['min']:,.0f}–{e['tokens_per_s']['max']:,.0f} "
                      f"| {m('tokens_per_cpu_s'):,.0f} | {m('target_tokens_per_step'):,.0f} | {m('median_step_s'):.3f} "
                      f"| {f'{trainable:,}' if trainable else 'n/a'} | {_bytes(e['memory'])} "
                      f"| {m('peak_rss_mb'):,.0f} | {m('others_load_cores'):.2f} |")

@@ -112,6 +112,7 @@ def dpo_step(models, batch):
 def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
 
     parser = argparse.ArgumentParser()

@@ -158,7 +158,8 @@ def window(times: list[float], generated: list[int], warmup: int, cpu: list[floa
     """common.window_throughput counted in generated tokens, plus steps/s over the same window."""
     w = C.window_throughput(times, generated, warmup, cpu)
     return {"steps_per_s": w["measured_steps"] / w["measured_s"], "generated_tokens_per_s": w["tokens_per_s"],
-            "generated_tokens_per_cpu_s": w["tokens_per_cpu_s"], "generated_tokens_per_step": w["target_tokens_per_step"],
+            "generated_tokens_per_cpu_s": w["tokens_per_cpu_s"],
+            "generated_tokens_per_step": w["target_tokens_per_step"],
             "measured_steps": w["measured_steps"], "measured_s": w["measured_s"], "median_step_s": w["median_step_s"]}
 
 
@@ -210,7 +211,8 @@ def run_suite(args, work: Path, tmp: Path, info: dict) -> dict:
     runs = T.run_rounds(contenders(args, work, tmp, model, prompts), args, tmp, T.bench_env(args.threads),
                         suite_timeout=600)
     return {"runs": runs, "summary": summarise(runs), "ppo": {
-        "model": model, "prompts": f"{PROMPTS_FILE.relative_to(C.REPO)}: first {(args.warmup + args.steps) * PROMPTS_PER_STEP}",
+        "model": model,
+        "prompts": f"{PROMPTS_FILE.relative_to(C.REPO)}: first {(args.warmup + args.steps) * PROMPTS_PER_STEP}",
         "prompts_per_step": PROMPTS_PER_STEP, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "micro_batch": MICRO,
         "kl_coef": KL_COEF, "clip_eps": CLIP_EPS, "lr": LR, "missing_eos_penalty": MISSING_EOS_PENALTY}}
 
@@ -262,7 +264,8 @@ def table(result: dict) -> str:
         total = sum(m(k) for k in SPLIT)
         lines.append(f"| {name} | {m('steps_per_s'):.2f} | {e['steps_per_s']['min']:.2f}–{e['steps_per_s']['max']:.2f} "
                      f"| {m('generated_tokens_per_s'):,.0f} | {m('generated_tokens_per_cpu_s'):,.0f} "
-                     f"| {m('generated_tokens_per_step'):.0f} | {m('time_rollout_s'):.3f} | {m('time_experience_s'):.3f} "
+                     f"| {m('generated_tokens_per_step'):.0f} | {m('time_rollout_s'):.3f} "
+                     f"| {m('time_experience_s'):.3f} "
                      f"| {m('time_update_s'):.3f} | {m('time_rollout_s') / total:.2f} | {m('peak_rss_mb'):,.0f} "
                      f"| {m('others_load_cores'):.2f} |")
     lines.append("")

@@ -161,6 +161,7 @@ def run_trl(args) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
+
     import workers as W
 
     dataset = Dataset.from_list(trl_rows(args.work))

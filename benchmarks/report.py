@@ -185,7 +185,8 @@ def _mb(x) -> str:
 
 def table(result: dict) -> str:
     return {"cpu-small": cpu_table, "compare": compare_table, "backends": backends_table,
-            "gpu": gpu_table, "preference": preference_table, "ppo": _ppo_table, "lora": _lora_table}[result["suite"]](result)
+            "gpu": gpu_table, "preference": preference_table, "ppo": _ppo_table,
+            "lora": _lora_table}[result["suite"]](result)
 
 
 def _ppo_table(result: dict) -> str:
@@ -201,7 +202,8 @@ def _lora_table(result: dict) -> str:
 def _header(*columns: str) -> list[str]:
     """A markdown table's first two lines; a column named with a trailing ':' is right-aligned."""
     names = [c.rstrip(":") for c in columns]
-    return ["| " + " | ".join(names) + " |", "|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|"]
+    return ["| " + " | ".join(names) + " |",
+            "|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|"]
 
 
 def _failed_row(name: str, why: str, columns: int) -> str:
@@ -248,13 +250,15 @@ def gpu_table(result: dict) -> str:
     g = result["gpu"]
     peak = f"{g['peak_bf16_flops'] / 1e12:.0f} TFLOP/s" if g["peak_bf16_flops"] else "unknown (pass --peak-tflops)"
     lines = [f"{g['name']}: {g['parameters']:,} parameters, bf16 peak {peak}; MFU = {g['mfu_convention']}",
-             "", "| contender | target tok/s | min–max | model TFLOP/s | MFU | peak RSS MB |", "|---|---:|---:|---:|---:|---:|"]
+             "", "| contender | target tok/s | min–max | model TFLOP/s | MFU | peak RSS MB |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, e in result["summary"].items():
         if name.startswith("_") or "tokens_per_s" not in e:
             continue
         t = e["tokens_per_s"]
         mfu = f"{100 * e['mfu']:.1f} %" if e.get("mfu") else "–"
-        lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {e['model_tflops']:.1f} | {mfu} "
+        lines.append(f"| {name} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} "
+                     f"| {e['model_tflops']:.1f} | {mfu} "
                      f"| {e['peak_rss_mb']['median']:,.0f} |")
     return "\n".join(lines)
 
@@ -396,7 +400,8 @@ def preference_table(result: dict) -> str:
     lines.append("")
     for label, g in s["_goals"].items():
         r = g["ratios"]
-        gap = "" if g["first_loss_abs_diff"] is None else f"; first-step losses differ by {g['first_loss_abs_diff']:.1e}"
+        gap = ("" if g["first_loss_abs_diff"] is None
+               else f"; first-step losses differ by {g['first_loss_abs_diff']:.1e}")
         lines.append(f"- {label}: {g['llmtrain']} / {g['trl']} = {r['median']:.2f}× by the median (best round "
                      f"{r['best round']:.2f}×, per CPU-second {r['per CPU-s (median)']:.2f}×) vs goal ≥ {g['goal']}× → "
                      f"{'met' if g['met'] else '**NOT met**'}{gap}")

@@ -111,7 +111,8 @@ def bench_env(threads: int, **extra: str) -> dict:
 
 
 def llmtrain_overrides(work: Path, out_dir: Path, *, steps: int, micro_batch: int, packing: bool,
-                       extra: tuple[str, ...] = (), model_dir: Path | None = None, precision: str = "fp32") -> list[str]:
+                       extra: tuple[str, ...] = (), model_dir: Path | None = None,
+                       precision: str = "fp32") -> list[str]:
     o = C.OPTIM
     return ["recipe=sft_tiny", "model.from_config=null", f"model.name_or_path={model_dir or work / 'model'}",
             f"model.tokenizer={C.TOKENIZER_DIR}", f"data.train_files=[{work / 'llmtrain.jsonl'}]", "data.eval_files=[]",
@@ -127,7 +128,8 @@ def llmtrain_overrides(work: Path, out_dir: Path, *, steps: int, micro_batch: in
 def llmtrain_worker_argv(out: str, warmup: int, overrides: list[str], *, flags: tuple[str, ...] = (),
                          launcher: tuple[str, ...] = (PY,)) -> list[str]:
     """llmtrain_worker.py (llmtrain's own entry point, timed) under `launcher` (python, or torchrun ...)."""
-    return [*launcher, str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(warmup), *flags, "--", *overrides]
+    return [*launcher, str(HERE / "llmtrain_worker.py"), "--out", out, "--warmup", str(warmup), *flags, "--",
+            *overrides]
 
 
 def llmtrain_contender(args, work: Path, tmp: Path, packed: bool, extra: tuple[str, ...] = ()):
@@ -245,7 +247,8 @@ def imported_from(runs: list[dict], expected: dict[str, Path]) -> dict:
     for run in runs:
         for res in [run["result"], *run["other_ranks"]]:
             found = res.get("llmtrain_file")
-            if res and (found is None or not Path(found).resolve().is_relative_to(expected[run["contender"]].resolve())):
+            if res and (found is None
+                        or not Path(found).resolve().is_relative_to(expected[run["contender"]].resolve())):
                 wrong.append(f"{run['contender']} round {run['round']}: imported {found}, not from "
                              f"{expected[run['contender']]}")
     if wrong:
@@ -361,7 +364,8 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo", "lora"], required=True)
+    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo", "lora"],
+                        required=True)
     parser.add_argument("--baseline", default="eff726e",
                         help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
                              "last commit before per-sample attention, best-fit packing and the DDP changes)")
@@ -375,7 +379,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", choices=BACKENDS)
     parser.add_argument("--all", action="store_true",
                         help="cpu-small: also TRL's default without gradient checkpointing; preference: also TRL's "
-                             "reward model with pad = eos, and both TRL trainers with their default gradient checkpointing")
+                             "reward model with pad = eos, and both TRL trainers with their default gradient "
+                             "checkpointing")
     parser.add_argument("--profile", action="store_true", help="preference: cProfile every llmtrain run, kept as "
                         "results/preference-<contender>-<round>.prof; lora: cProfile of each contender's "
                         "round-0 run (llmtrain and TRL), kept as results/lora-<contender>-0.prof")
@@ -406,8 +411,10 @@ def main() -> None:
             if run.get("error"):
                 run["log_tail"] = Path(run["log"]).read_text(errors="replace")[-3000:]
             run.pop("log", None)
-    result = {"suite": args.suite, "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": dict(host, load_average_after=os.getloadavg()), "model": dict(C.MODEL, **{"parameters": info["parameters"]}),
+    result = {"suite": args.suite,
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "machine": dict(host, load_average_after=os.getloadavg()),
+              "model": dict(C.MODEL, **{"parameters": info["parameters"]}),
               "data": dict(C.DATA, **info["data"], max_seq_len=C.MAX_SEQ_LEN), "optim": C.OPTIM,
               "global_batch": {"unpacked_samples": C.GLOBAL_BATCH_SAMPLES, "packed_rows": C.GLOBAL_BATCH_ROWS_PACKED},
               "wall_s": time.time() - started, **body}

@@ -1,6 +1,7 @@
 """The non-llmtrain contenders, each run in its own process by throughput.py:
 
-    python benchmarks/workers.py {plain,hf,trl} --work DIR --steps N --warmup W --out result.json [--variant V] [--check]
+    python benchmarks/workers.py {plain,hf,trl} --work DIR --steps N --warmup W --out result.json [--variant V]
+        [--check]
 
 plain: the loop a user writes by hand; hf: transformers `Trainer`; trl: `SFTTrainer` (variants: default,
 default_nogc, padding_free, packing_bfd, packing_wrapped). Each records the wall time at the end of

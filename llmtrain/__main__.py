@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from llmtrain.compose import compose_config
     from llmtrain.data.errors import DataConfigError
     from llmtrain.faults import CollectiveFailure
-    from llmtrain.trainer import NonFiniteError
     from llmtrain.parallel import env_rank
     from llmtrain.run import run
+    from llmtrain.trainer import NonFiniteError
 
     logging.basicConfig(level=logging.INFO if env_rank() == 0 else logging.WARNING,
                         format=f"[rank{env_rank()}] %(levelname)s %(name)s: %(message)s")

@@ -18,6 +18,7 @@ from llmtrain.config import ConfigError
 from llmtrain.paths import ASSETS_DIR, available_recipes, conf_dir, recipes_dir
 from llmtrain.schema import register_schema
 
+
 def _register_resolvers() -> None:
     """`${asset:REL}`: a file shipped in llmtrain/assets. `${base:RECIPE}`: that recipe's trained hf/ export,
     built once into a cache (llmtrain/bases.py)."""

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
-
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
 
@@ -121,8 +120,9 @@ class PeftConfig:
 class PlanConfig:
     """`python -m llmtrain.plan` (and dry_run=true): the cluster to predict cost on; the run's `device` is untouched."""
     world_size: Optional[int] = None  # ranks to plan for; null: the current world (WORLD_SIZE, else 1)
-    gpu: Optional[str] = None  # a100-40gb | a100-80gb | h100-80gb | h200 | rtx-4090 | cpu | any name with the two below;
+    # a100-40gb | a100-80gb | h100-80gb | h200 | rtx-4090 | cpu | any name with the two below;
     # null: this machine's device
+    gpu: Optional[str] = None
     peak_tflops: Optional[float] = None  # dense 16-bit peak per device (overrides the table's)
     memory_gb: Optional[float] = None  # device memory in GiB (overrides the table's)
     link_gb_per_s: Optional[float] = None  # per-rank collective bandwidth, GB/s one way (overrides the table's)
@@ -194,7 +194,8 @@ def schema_problems(cfg: Any) -> list[str]:
     if not 0 <= o.min_lr_ratio <= 1:
         problems.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     if m.attn_implementation.startswith("flash_attention") and cfg.precision == "fp32":
-        problems.append(f"model.attn_implementation={m.attn_implementation} runs in bf16/fp16 only, but precision=fp32: "
+        problems.append(f"model.attn_implementation={m.attn_implementation} runs in bf16/fp16 only, "
+                        "but precision=fp32: "
                         "use precision=bf16 (or auto on a GPU), or model.attn_implementation=auto")
     if m.attn_implementation in ("flex_segments", "flex_attention") and m.dropout > 0:  # models/flex.py
         problems.append(f"model.attn_implementation={m.attn_implementation} has no attention dropout, but "

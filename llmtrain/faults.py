@@ -53,7 +53,7 @@ class StopSignals:
         log.warning("%s received: saving a checkpoint at the end of this step, then exiting (SIGINT or SIGKILL "
                     "stop at once)", name)
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

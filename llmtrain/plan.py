@@ -20,11 +20,22 @@ from omegaconf import DictConfig
 
 from llmtrain.backends import compared_presets, spec_of
 from llmtrain.config import ConfigError
-from llmtrain.metrics.cost import (GIB, Collective, Layout, RoleParams, StateBytes, activation_bytes,
-                                   activation_bytes_per_layer, communication, gated_activation_bytes_per_layer,
-                                   logits_bytes, state_bytes, step_seconds)
-from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.comm import planned
+from llmtrain.metrics.cost import (
+    GIB,
+    Collective,
+    Layout,
+    RoleParams,
+    StateBytes,
+    activation_bytes,
+    activation_bytes_per_layer,
+    communication,
+    gated_activation_bytes_per_layer,
+    logits_bytes,
+    state_bytes,
+    step_seconds,
+)
+from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.live import PlanFigures
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
@@ -254,18 +265,23 @@ def header(st: Setting) -> list[str]:
         f" = {estimate:,} ({(estimate - f.params) / f.params:+.1%}: SwiGLU / GQA / RMSNorm blocks differ from GPT's)",
         f"FLOPs per token 6·M + 12·L·h·s = {human(training_flops_per_token(f.params, L, h, s), 'FLOP')} "
         "(M: every parameter, input embedding and LM head included; no causal halving)"
-        + (f"; + {human(2 * L * f.block + 4 * L * h * s, 'FLOP')} recompute (hardware FLOPs)" if st.checkpointing else ""),
+        + (f"; + {human(2 * L * f.block + 4 * L * h * s, 'FLOP')} recompute (hardware FLOPs)"
+           if st.checkpointing else ""),
         f"activations per layer {_size(per_layer)} GiB (34·b·s·h{' + 5·b·a·s²' if st.scores else ''}, "
-        f"{'eager attention stores the scores' if st.scores else '5·b·a·s² dropped: sdpa/flash/flex keep no (b,a,s,s) scores'}"
-        f"); logits b·s·V·4 = {_size(logits_bytes(st.micro * st.rows_per_sample, s, st.logits_vocab))} GiB",
+        + ("eager attention stores the scores" if st.scores
+           else "5·b·a·s² dropped: sdpa/flash/flex keep no (b,a,s,s) scores")
+        + f"); logits b·s·V·4 = {_size(logits_bytes(st.micro * st.rows_per_sample, s, st.logits_vocab))} GiB",
     ]
-    if f.intermediate:  # the table's activations use the gated-block count (metrics/cost.py, measured per saved tensor)
-        gated = gated_activation_bytes_per_layer(st.micro * st.rows_per_sample, s, h, f.heads, intermediate=f.intermediate,
+    # the table's activations use the gated-block count (metrics/cost.py, measured per saved tensor)
+    if f.intermediate:
+        gated = gated_activation_bytes_per_layer(st.micro * st.rows_per_sample, s, h, f.heads,
+                                                 intermediate=f.intermediate,
                                                  kv_heads=f.kv_heads, elem=elem, scores=st.scores)
         lines.append(f"this model's gated blocks (RMSNorm, GQA, SwiGLU) keep s·b·(8h + 2kv + 4i + a + 2) elements: "
                      f"{_size(gated)} GiB per layer ({gated / per_layer:.2f}× 34·b·s·h), used in the table")
     if st.lora:
-        lines.append(f"LoRA: {st.lora:,} trainable adapter parameters; the {f.params:,} of the base frozen (weights only)")
+        lines.append(f"LoRA: {st.lora:,} trainable adapter parameters; the {f.params:,} of the base frozen "
+                     "(weights only)")
     return lines
 
 
@@ -382,7 +398,8 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
     # LoRA: the adapters (and modules_to_save copies) come on top of a base that is frozen whole: weights only
     trainable, frozen = (st.lora, facts.params) if st.lora else (facts.params, 0)
     state = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=dp, mixed_precision=mixed,
-                                frozen_elem_bytes=frozen_elem_bytes(spec_of(cfg.backend).frozen_in_compute_dtype, mixed))
+                                frozen_elem_bytes=frozen_elem_bytes(spec_of(cfg.backend).frozen_in_compute_dtype,
+                                                                    mixed))
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
              f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "

@@ -33,7 +33,7 @@ class RLIteration:
     on_policy: bool  # the update's forward gives the old log-probs (stages/ppo/build.old_logps_from_update)
 
     @classmethod
-    def from_config(cls, cfg) -> "RLIteration | None":
+    def from_config(cls, cfg) -> RLIteration | None:
         """None for the stages whose step is one optimizer step."""
         shape_of = stage_spec(cfg.stage.name).rl_shape
         if shape_of is None:
@@ -49,7 +49,8 @@ class RLIteration:
 
     def schedule(self, dp: int) -> RLSchedule:
         def micro_batches(sequences: int) -> int:
-            return -(-(-(-sequences // dp)) // self.micro)  # this rank's share, in micro-batches
+            share = -(-sequences // dp)  # this rank's share of the sequences (ceil)
+            return -(-share // self.micro)  # ... in micro-batches (ceil)
 
         return RLSchedule(updates=self.updates,
                           update_micro=micro_batches(self.mini_batch), experience_micro=micro_batches(self.samples),

@@ -19,12 +19,12 @@ from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
-from llmtrain.models.lora import LoraSettings
 from llmtrain.models.load import load_tokenizer, resolve_attn_implementation
+from llmtrain.models.lora import LoraSettings
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
+from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
-from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
 from llmtrain.stages.base import trainable_roles
 from llmtrain.stages.registry import build_stage, load_stage_data, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
@@ -48,7 +48,8 @@ def check_run_dir(run_dir: Path, resume: str | None) -> None:
 
 
 def optimizer_spec(cfg: DictConfig, updates_per_step: int = 1) -> OptimizerSpec:
-    """`updates_per_step`: optimizer steps in one trainer step (PPO: epochs × mini-batches); the schedule counts them."""
+    """`updates_per_step`: optimizer steps in one trainer step (PPO: epochs × mini-batches); the schedule counts
+    them."""
     o = cfg.optim
     return OptimizerSpec(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                          warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
@@ -111,7 +112,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     dp_rank, dp_size = first.dp_rank, first.dp_size
     # examples per fetch and fetches per step on each rank (PPO: one fetch of this rank's share of the prompts)
     per_fetch, fetches = stage.fetch_layout(t.micro_batch_size, t.grad_accum_steps, dp_size)
-    settings = TrainerSettings(max_steps=t.max_steps, grad_accum_steps=fetches,
+    settings = TrainerSettings(max_steps=t.max_steps, fetches_per_step=fetches,
                                global_batch_size=per_fetch * fetches * dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
                                skip_nonfinite=t.skip_nonfinite, collective_timeout_s=t.collective_timeout_s)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TrainerSettings:
     max_steps: int
-    grad_accum_steps: int
+    fetches_per_step: int  # batches drawn per step on a rank: trainer.grad_accum_steps (PPO: 1, its prompts)
     global_batch_size: int  # examples (rows, or pairs) per optimizer step, all ranks
     eval_every_n_steps: int
     save_every_n_steps: int
@@ -103,7 +103,7 @@ class Trainer:
 
     def _train_step(self, batches: Iterator, memory_pending: set[str]) -> dict:
         start = time.perf_counter()  # the step's clock includes fetching and collating its batches
-        micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.grad_accum_steps)]
+        micro_batches = [self.prepare_batch(next(batches)) for _ in range(self.s.fetches_per_step)]
         self.updater.step = self.step + 1
         with self.live.step(self.step + 1):
             record = {"step": self.step + 1, **self.stage.train_step(micro_batches, self.engines, self.updater)}

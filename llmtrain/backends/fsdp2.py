@@ -5,10 +5,10 @@
                      TP comes first because it replaces Linear weights by DTensors; FSDP then shards
                      those DTensors once more along dim 0 on the dp mesh (2-D (dp, tp) DTensors). The
                      other way round FSDP would gather full weights that TP then slices again.
-  2. apply_ac      — activation checkpointing must wrap a block's forward *inside* FSDP's hooks, so
-                     the recompute in backward does not all-gather again; transformers' checkpointing
-                     (model.activation_checkpointing, set by the loader) wraps `forward`, which is
-                     exactly that, so nothing is added here.
+  2. (activation checkpointing: no step here) — it must wrap a block's forward *inside* FSDP's hooks,
+                     so the recompute in backward does not all-gather again; transformers' checkpointing
+                     (model.activation_checkpointing, set by the loader before this) wraps `forward`,
+                     which is exactly that.
   3. apply_compile — per block, before FSDP: graph breaks stay at block boundaries and FSDP's hooks
                      run eagerly around each compiled block (`Module.compile` keeps parameter names).
   4. apply_fsdp    — blocks first, then the root: each call groups the parameters not yet claimed,
@@ -83,10 +83,6 @@ def apply_tp(model: torch.nn.Module, dims: ParallelDims) -> None:
         apply_tp_plan(unwrap_peft(model), dims.mesh("tp"), model.config)
 
 
-def apply_ac(model: torch.nn.Module) -> None:
-    """Already in place when model.activation_checkpointing=true (see the module docstring)."""
-
-
 def apply_compile(blocks: list[torch.nn.Module]) -> None:
     for block in blocks:
         block.compile(fullgraph=False)
@@ -115,8 +111,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, reshard_after_for
     """The run's meshes come from `dims` by name: "tp" for the TP plan, "fsdp" (dp_shard, or HSDP's (dp_replicate,
     dp_shard)) for fully_shard."""
     blocks = decoder_blocks(model)
-    apply_tp(model, dims)
-    apply_ac(model)
+    apply_tp(model, dims)  # then activation checkpointing: already in place (the loader's, see the docstring)
     if compile:
         apply_compile(blocks)
     apply_fsdp(model, blocks, dims.mesh("fsdp"), reshard_after_forward=reshard_after_forward,

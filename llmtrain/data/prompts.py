@@ -81,9 +81,11 @@ class PromptStats:
                 f"dropped_overlong={self.dropped_overlong} longest_prompt={self.longest_prompt}")
 
 
-def build_prompts(rows: datasets.Dataset, tokenizer, fmt: str, max_prompt_len: int) -> tuple[PromptExamples, PromptStats]:
+def build_prompts(rows: datasets.Dataset, tokenizer, fmt: str,
+                  max_prompt_len: int) -> tuple[PromptExamples, PromptStats]:
     if fmt not in PROMPT_FORMATS:
-        raise DataConfigError(f"data.format={fmt!r}: the RL stages read prompts from one of {', '.join(PROMPT_FORMATS)}")
+        raise DataConfigError(f"data.format={fmt!r}: the RL stages read prompts from one of "
+                              f"{', '.join(PROMPT_FORMATS)}")
     needed = "messages" if fmt == "messages" else "prompt"
     if needed not in rows.column_names:
         raise DataConfigError(f"data.format={fmt} needs a column {needed!r}, but the data has columns "
@@ -133,12 +135,12 @@ class PromptBatch:
     columns: dict[str, list]  # the rows' other columns, one list per column
     real: torch.Tensor  # (B,) bool: False for an eval filler row (keeps a rank in step, counts nothing)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PromptBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PromptBatch:
         return replace(self, input_ids=self.input_ids.to(device, non_blocking=non_blocking),
                        attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
                        real=self.real.to(device))
 
-    def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> "PromptBatch":
+    def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> PromptBatch:
         return self  # generation and scoring build their own masks from attention_mask
 
     @property

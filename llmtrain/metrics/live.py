@@ -8,8 +8,8 @@ activations + logits at the shape the peak forward really had (metrics/cost.py's
 
 Flat keys for metrics.jsonl (`memory_r<rank>_activations` next to `memory_r<rank>_plan_activations` at that
 rank's shape `memory_r<rank>_activation_rows` × `_seq`, `memory_r<rank>_rss_peak`, `plan_memory_state`,
-`plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`); W&B shows them under memory/ and perf/. After `steps` steps every hook is
-removed: nothing is measured or logged later.
+`plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`); W&B shows them under
+memory/ and perf/. After `steps` steps every hook is removed: nothing is measured or logged later.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtrain.metrics.comm import KINDS, CommCounter, planned, route_ddp_buckets
+from llmtrain.metrics.comm import KINDS, CommCounter, route_ddp_buckets
 from llmtrain.metrics.memory import gather_per_rank
 
 
@@ -81,7 +81,8 @@ class SavedTensorMeter:
 @dataclass(frozen=True)
 class PlanFigures:
     """The planner's per-rank numbers for this run (llmtrain/plan.py's row) and how to size activations."""
-    state_bytes: float  # model states on the device, every role: weights, master, grads, optimizer (what the ledger counts)
+    # model states on the device, every role: weights, master, grads, optimizer (what the ledger counts)
+    state_bytes: float
     gathered_bytes: float  # + the working copies gathered while computing (ZeRO-3 / FSDP2 modules, autocast's copies)
     activations: object  # (rows, seq) -> activation + logits bytes of one forward of one role
     flops_per_token: float  # model FLOPs of one trained token (6·M + 12·L·h·s at the config's s)
@@ -137,7 +138,8 @@ class LiveCost:
         """Counted per rank (`comm_r<rank>_<kind>_{payload,wire,calls}`) and planned (`plan_comm_<kind>_...`), the
         kinds that either has; totals `comm_r<rank>_payload`/`_wire` and `plan_comm_payload`/`_wire`."""
         local = counter.local()
-        local.update({"payload": sum(local[f"{k}_payload"] for k in KINDS), "wire": sum(local[f"{k}_wire"] for k in KINDS)})
+        local.update({"payload": sum(local[f"{k}_payload"] for k in KINDS),
+                      "wire": sum(local[f"{k}_wire"] for k in KINDS)})
         gathered = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device, prefix="comm")
         plan = self.plan.comm
         used = {k for k in KINDS if f"{k}_payload" in plan or any(gathered[f"comm_r{r}_{k}_calls"]

@@ -161,7 +161,7 @@ def auto_class(head: str):
 def build_model(*, name_or_path: str | None, from_config: dict | None, config_path: str | None,
                 tokenizer: Any, attn_implementation: str, dropout: float,
                 activation_checkpointing: bool, trust_remote_code: bool, head: str = "lm", seed: int = 0,
-                gather: Gather | None = None, lora: "LoraSettings | None" = None) -> torch.nn.Module:
+                gather: Gather | None = None, lora: LoraSettings | None = None) -> torch.nn.Module:
     """An fp32 model on the CPU (a causal LM, or with `head="scalar"` a one-label sequence classifier), its
     embeddings sized to the tokenizer.
 

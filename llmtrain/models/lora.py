@@ -39,7 +39,7 @@ class LoraSettings:
     load_in_4bit: bool = False  # QLoRA (CUDA + bitsandbytes, checked in models/lora_checks.qlora_problems)
 
     @classmethod
-    def from_config(cls, peft_cfg) -> "LoraSettings | None":
+    def from_config(cls, peft_cfg) -> LoraSettings | None:
         if peft_cfg.name != "lora":
             return None
         targets = peft_cfg.target_modules
@@ -146,22 +146,6 @@ def adapter_formula(model: torch.nn.Module, r: int) -> tuple[int, int]:
     """(Σ r·(d_in + d_out) over the adapted matrices, their number)."""
     layers = lora_layers(model)
     return sum(r * (layer.in_features + layer.out_features) for _, layer in layers), len(layers)
-
-
-def planned_trainable(model: torch.nn.Module, settings: LoraSettings) -> int:
-    """What apply_lora will train, from the architecture alone (a meta model is enough): Σ r·(d_in + d_out) over the
-    targeted linear layers (all-linear: every Linear but the output layer, as peft) + the listed modules_to_save."""
-    output = model.get_output_embeddings()
-    total = 0
-    for name, module in model.named_modules():
-        short = name.rpartition(".")[2]
-        if not isinstance(module, torch.nn.Linear) or module is output:
-            continue
-        if settings.target_modules == ALL_LINEAR or short in settings.target_modules:
-            total += settings.r * (module.in_features + module.out_features)
-    saved = settings.modules_to_save or ()
-    return total + sum(p.numel() for name, m in model.named_modules() if name.rpartition(".")[2] in saved
-                       for p in m.parameters())
 
 
 def count_trainable(model: torch.nn.Module) -> tuple[int, int]:

@@ -33,7 +33,8 @@ def peft_problems(peft: Any, backend: Any, adapter_reference_stage: str | None =
         problems.append(f"peft.target_modules: {', '.join(OUTPUT_LAYERS)} is the output layer, which LoRA leaves "
                         "alone: drop it from the list (or train it in full with peft.modules_to_save=[lm_head])")
     if adapter_reference_stage and peft.dropout > 0:
-        problems.append(f"stage {adapter_reference_stage} with peft=lora takes its reference's log-probs from the policy with adapters "
+        problems.append(f"stage {adapter_reference_stage} with peft=lora takes its reference's log-probs from the "
+                        "policy with adapters "
                         f"disabled (dropout off there), the policy's with peft.dropout={peft.dropout} on: the first "
                         "ratio would not be 1. Set peft.dropout=0")
     tp = getattr(backend, "tp", 1)  # the tensor-parallel degree, on every backend that has one (ParallelDims' name)

@@ -15,8 +15,15 @@ from functools import partial
 
 import torch
 
-from llmtrain.losses.dpo import (AVERAGED_LOGPS, DPO_LOSSES, DPO_STATS, dpo_loss_terms, dpo_metrics, dpo_stat_sums,
-                                 packed_sequence_logps)
+from llmtrain.losses.dpo import (
+    AVERAGED_LOGPS,
+    DPO_LOSSES,
+    DPO_STATS,
+    dpo_loss_terms,
+    dpo_metrics,
+    dpo_stat_sums,
+    packed_sequence_logps,
+)
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
 from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec

@@ -47,7 +47,7 @@ class PairBatch:
     def num_sequences(self) -> int:
         return self.ends.shape[0]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PairBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PairBatch:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=non_blocking)
 
@@ -55,7 +55,7 @@ class PairBatch:
                        sequence_ids=move(self.sequence_ids), margin=move(self.margin), hard=move(self.hard),
                        weight=move(self.weight))
 
-    def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> "PairBatch":
+    def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> PairBatch:
         return replace(self, rows=self.rows.for_attention(attn_implementation, mask_dtype))
 
     def split(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

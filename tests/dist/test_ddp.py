@@ -82,7 +82,8 @@ def test_accumulation_does_not_change_the_step(runs, assert_close_series):
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
     assert_close_series(ours, reference, "loss", 1e-6, 1e-6)
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-6)
-    assert_close_series(read_metrics(runs("single_accum16"))[1], read_metrics(runs("single"))[1], "eval_loss", 1e-6, 1e-6)
+    assert_close_series(read_metrics(runs("single_accum16"))[1], read_metrics(runs("single"))[1], "eval_loss",
+                        1e-6, 1e-6)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

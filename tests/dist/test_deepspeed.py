@@ -113,7 +113,8 @@ def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed, assert_cl
     assert_close_series(continued, reference[6:], "grad_norm", 1e-5, 1e-5)
     config = json.loads((switched / "deepspeed_config.json").read_text())
     assert config["zero_optimization"]["stage"] == int(resumed[-1])
-    assert f"saved with ZeRO-{saved[-1]} on 2 dp ranks, this run is ZeRO-{resumed[-1]} on 2" in runs.done[switched.name].stderr
+    assert (f"saved with ZeRO-{saved[-1]} on 2 dp ranks, this run is ZeRO-{resumed[-1]} on 2"
+            in runs.done[switched.name].stderr)
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
@@ -138,7 +139,8 @@ def test_export_from_zero3_shards_round_trips(runs):
     run_dir = runs("zero3")
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     engine = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
-    shards = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_12" / "engines" / "policy"), tag="ds")
+    shards = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_12" / "engines" / "policy"),
+                                                      tag="ds")
     engine.load_state_dict(shards, strict=False)
     assert set(shards) == {n for n, _ in engine.named_parameters()}
     ids = torch.randint(0, exported.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -195,7 +197,8 @@ def test_ddp_model_state_bytes_match_the_plan(runs, tiny_model_dir):
     from llmtrain.metrics.cost import Layout, RoleParams, state_bytes
 
     m = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
-    planned = state_bytes(RoleParams(trainable=m), Layout(name="ddp", backend=BACKENDS["ddp"], stage=0, dp=2), "fp32", 2)
+    planned = state_bytes(RoleParams(trainable=m), Layout(name="ddp", backend=BACKENDS["ddp"], stage=0, dp=2),
+                          "fp32", 2)
     first = read_metrics(runs("ddp"))[0][0]
     for rank in (0, 1):
         for key, value in (("params", planned.weights), ("grads", planned.grads), ("optimizer", planned.optim)):
@@ -219,7 +222,8 @@ def _run_bad(tmp_path, *overrides):
 
 def test_bad_configs_fail_on_every_rank_within_seconds(tmp_path):
     result, seconds = _run_bad(tmp_path, "backend=zero2", "backend.zero_stage=5", "backend.offload_param.device=cpu",
-                               "backend.offload_optimizer.device=nvme", "backend.ds_config_overrides={train_batch_size: 48}")
+                               "backend.offload_optimizer.device=nvme",
+                               "backend.ds_config_overrides={train_batch_size: 48}")
     assert result.returncode != 0 and seconds < 60
     for rank in (0, 1):
         assert f"error on rank {rank}" in result.stderr

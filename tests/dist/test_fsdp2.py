@@ -191,7 +191,8 @@ def test_nonfinite_loss_stops_every_rank(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("model_type,nproc,overrides,needles", [
     ("gpt2", 2, ["backend=fsdp2_tp"], ["backend.tp=2", "'gpt2'", "no tensor-parallel plan", "backend=ddp"]),
-    ("llama", 3, ["backend=fsdp2", "backend.tp=3"], ["backend.tp=3", "num_attention_heads=4", "num_key_value_heads=2", "backend.dp_shard=1"]),
+    ("llama", 3, ["backend=fsdp2", "backend.tp=3"],
+     ["backend.tp=3", "num_attention_heads=4", "num_key_value_heads=2", "backend.dp_shard=1"]),
     ("llama", 2, ["backend=fsdp2", "backend.tp=2", "backend.dp_shard=2"],
      ["backend.dp_replicate=1 × backend.dp_shard=2 × backend.tp=2 = 4", "not the world size 2"]),
 ])

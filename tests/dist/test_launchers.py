@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_ok, cli_env, read_metrics
+from tests.helpers import REPO, cli_env, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -88,7 +88,8 @@ def test_slurm_script_stops_on_the_time_limit_signal_requeues_and_the_requeued_j
     assert job.returncode == 0, stderr[-3000:]
     assert "SIGUSR1 received: asking every rank to save and stop, then requeueing job 4242" in stderr
     assert slurm_log.read_text().splitlines() == ["requeue 4242"]
-    stopped = {line.split("stopped at step ")[1].split()[0] for line in stderr.splitlines() if "stopped at step " in line}
+    stopped = {line.split("stopped at step ")[1].split()[0] for line in stderr.splitlines()
+               if "stopped at step " in line}
     assert stderr.count("stopped at step ") == 2 and len(stopped) == 1, stderr[-3000:]
     step = int(stopped.pop())
     assert 3 <= step < 60 and (out / "checkpoints/latest").read_text().strip() == f"step_{step}"

@@ -169,7 +169,8 @@ def test_planned_model_state_bytes_count_the_base_as_weights_only(runs, backend,
     trainable, total = map(int, re.search(r"lora: (\d+) trainable parameters of (\d+)",
                                           runs.done[backend].stderr).groups())
     planned = planned_state_bytes(trainable=trainable, frozen=total - trainable, stage=stage, dp=2,
-                                  mixed_precision=False, frozen_elem_bytes=frozen_elem_bytes(BACKENDS[backend].frozen_in_compute_dtype, False))
+                                  mixed_precision=False,
+                                  frozen_elem_bytes=frozen_elem_bytes(BACKENDS[backend].frozen_in_compute_dtype, False))
     first = read_metrics(run_dir)[0][0]
     for rank in range(2):
         measured = sum(first[f"memory_r{rank}_{k}"] for k in ("params", "grads", "optimizer"))

@@ -102,7 +102,8 @@ def test_counted_communication_of_an_iteration_matches_the_plan(runs, stage, bac
         planned = second[f"plan_comm_{kind}"]
         for rank in range(2):
             counted = second[f"comm_r{rank}_{kind}"]
-            assert abs(counted / planned - 1) <= 0.05, f"rank {rank} {kind}: counted {counted:.0f}, planned {planned:.0f}"
+            assert abs(counted / planned - 1) <= 0.05, (f"rank {rank} {kind}: counted {counted:.0f}, "
+                                                        f"planned {planned:.0f}")
 
 
 @pytest.mark.parametrize("stage,backend,lora", [("ppo", "ddp", False), ("ppo", "zero3", False), ("ppo", "fsdp2", False),

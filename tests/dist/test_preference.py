@@ -113,5 +113,5 @@ def test_random_init_is_the_same_on_every_backend_and_world_size(runs):
     losses = {name: read_metrics(runs.from_config(backend, nproc))[1][0]["eval_loss"]
               for name, (backend, nproc) in {"single": ("ddp", 1), "ddp": ("ddp", 2), "zero3": ("zero3", 2),
                                              "fsdp2": ("fsdp2", 2)}.items()}
-    for name, loss in losses.items():
+    for _name, loss in losses.items():
         assert abs(loss - losses["single"]) <= 1e-6 * losses["single"], losses

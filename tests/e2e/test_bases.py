@@ -48,7 +48,7 @@ def built(tmp_path_factory):
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-4000:]
     return {"root": root, "base": base, "user": user, "env": env, "outputs": outputs,
             "seconds": time.time() - start}

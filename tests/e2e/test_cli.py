@@ -237,8 +237,10 @@ def test_dry_run_of_a_7b_recipe_loads_nothing(tmp_path):
     result = run_cli(["recipe=pretrain_7b", "dry_run=true"], cwd=tmp_path)
     assert_ok(result)
     for line in ("recipe pretrain_7b: stage pretrain, backend deepspeed, precision fp32 on cpu, world 1",
-                 f"model meta-llama/Llama-2-7b-hf: {expected / 1e6:,.1f}M parameters (L=32, h=4096, heads=32, vocab=32000)",
-                 "global batch 32 rows = micro_batch_size 2 × grad_accum_steps 16 × dp 1 (≤ 131072 tokens at max_seq_len 4096)",
+                 f"model meta-llama/Llama-2-7b-hf: {expected / 1e6:,.1f}M parameters "
+                 "(L=32, h=4096, heads=32, vocab=32000)",
+                 "global batch 32 rows = micro_batch_size 2 × grad_accum_steps 16 × dp 1 "
+                 "(≤ 131072 tokens at max_seq_len 4096)",
                  "5000 steps, output_dir runs/pretrain_7b"):
         assert line in result.stdout.splitlines(), (line, result.stdout)
     assert not (tmp_path / "runs").exists()

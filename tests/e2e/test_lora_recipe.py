@@ -41,7 +41,8 @@ def test_merged_export_equals_the_adapted_model(lora_run):
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
     adapted = PeftModel.from_pretrained(base, lora_run / "adapter").eval()
-    merged = AutoModelForCausalLM.from_pretrained(lora_run / "hf", dtype=torch.float32, attn_implementation="sdpa").eval()
+    merged = AutoModelForCausalLM.from_pretrained(lora_run / "hf", dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
     ids = torch.tensor([tokenizer("reverse: hello\nolleh").input_ids])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-4)

@@ -62,7 +62,8 @@ def test_grpo_has_no_critic_and_keeps_the_kl_in_the_loss(grpo_run):
     train, _ = read_metrics(grpo_run)
     assert "value_loss" not in train[0] and "kl_loss" in train[0]
     assert not (grpo_run / "critic_hf").exists()
-    assert sorted(p.name for p in (grpo_run / "checkpoints" / "step_80" / "engines").iterdir()) == ["actor", "reference"]
+    engines = grpo_run / "checkpoints" / "step_80" / "engines"
+    assert sorted(p.name for p in engines.iterdir()) == ["actor", "reference"]
 
 
 SHORT = ["trainer.max_steps=2", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
@@ -81,7 +82,8 @@ def test_a_user_reward_function_by_module_and_attribute_gets_the_columns(tmp_pat
     """))
     out = tmp_path / "run"
     env = cli_env(PYTHONPATH=f"{tmp_path}:{Path(__file__).resolve().parents[2]}")
-    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=my_rewards:score", f"output_dir={out}"], env=env))
+    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=my_rewards:score", f"output_dir={out}"],
+                      env=env))
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 2 and all(len(c["prompts"]) == 8 == len(c["response"]) for c in calls)
     assert calls[0]["prompts"][0].startswith("reverse: ")  # the raw prompt column, not the templated ids

@@ -52,7 +52,8 @@ def test_exported_reward_model_scores_like_the_stage_in_transformers(rm_run):
     config = json.loads((rm_run / "hf" / "config.json").read_text())
     assert config["pad_token_id"] == tokenizer.pad_token_id != tokenizer.eos_token_id
     last_eval = read_metrics(rm_run)[1][-1]
-    assert config["reward_mean"] == last_eval["eval_reward_mean"] and config["reward_std"] == last_eval["eval_reward_std"]
+    assert (config["reward_mean"] == last_eval["eval_reward_mean"]
+            and config["reward_std"] == last_eval["eval_reward_std"])
     texts = ["reverse: abc\ncba", "reverse: hello\nolleh", "reverse: hello\nhello"]
     rows = [[tokenizer.bos_token_id, *tokenizer(t, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
             for t in texts]
@@ -97,8 +98,8 @@ def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
 @pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny"])
 def test_preference_dashboard_rescores_every_held_out_pair(recipe, kernel_name, monkeypatch, request):
     """notebooks/preference_dashboard.ipynb on each run: the exported model scores every held-out pair again (the
-    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base) and the accuracy and mean margin it prints (and asserts) are the run's last evaluation;
-    accuracy and margin by kind of pair; a figure file."""
+    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base) and the accuracy and mean margin
+    it prints (and asserts) are the run's last evaluation; accuracy and margin by kind of pair; a figure file."""
     run_dir = request.getfixturevalue({"rm_tiny": "rm_run"}.get(recipe, recipe.replace("_tiny", "_run")))
     last = read_metrics(run_dir)[1][-1]
     accuracy, margin = (("eval_accuracy", "eval_margin") if recipe == "rm_tiny" else

@@ -115,7 +115,8 @@ def packed_inputs(batch: dict) -> dict:
         start = 0
         for length in lengths:
             end = start + length
-            mask[b, 0, start:end, start:end] = torch.triu(torch.full((length, length), torch.finfo(torch.float32).min), 1)
+            mask[b, 0, start:end, start:end] = torch.triu(
+                torch.full((length, length), torch.finfo(torch.float32).min), 1)
             positions[b, start:end] = torch.arange(length)
             start = end
         for pad in range(start, width):

@@ -9,8 +9,8 @@ import torch
 from llmtrain.__main__ import main
 from llmtrain.compose import available_recipes, compose_config, conf_dir
 from llmtrain.config import ConfigError
-from llmtrain.validation import validate
 from llmtrain.models.load import build_model, count_parameters, load_tokenizer, model_config
+from llmtrain.validation import validate
 
 TINY = ("tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_gpt2")
 

@@ -40,7 +40,8 @@ def test_pad_to_multiple_of_rounds_the_width_up():
 
 def test_packed_rows_get_a_float_block_causal_mask():
     packed = merge_packed([sample([5, 6]), sample([7, 8, 9])])
-    batch = collate([packed, merge_packed([sample([1, 2, 3, 4, 5, 6])])], PAD, pad_to_multiple_of=7).for_attention("sdpa")
+    batch = collate([packed, merge_packed([sample([1, 2, 3, 4, 5, 6])])], PAD,
+                    pad_to_multiple_of=7).for_attention("sdpa")
     mask = batch.attention_mask
     assert mask.shape == (2, 1, 7, 7) and mask.dtype == torch.float32
     assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
@@ -113,7 +114,8 @@ def test_packed_rows_with_padding_give_finite_logits_and_match_unpadded(attn_imp
     with torch.no_grad():
         batch = collate([short, long], PAD).for_attention(attn_implementation)
         logits = model(**batch.model_inputs()).logits  # (2, 11, V)
-        short_alone = model(**collate([short], PAD).for_attention(attn_implementation).model_inputs()).logits  # (1, 5, V)
+        # (1, 5, V)
+        short_alone = model(**collate([short], PAD).for_attention(attn_implementation).model_inputs()).logits
     assert torch.isfinite(logits).all()
     assert torch.isfinite(lm_loss_sum(logits, batch.labels))
     assert torch.allclose(logits[0, :5], short_alone[0], atol=1e-5, rtol=0)

@@ -6,8 +6,8 @@ import pytest
 
 from llmtrain.compose import available_recipes, compose_config, conf_dir
 from llmtrain.config import ConfigError
-from llmtrain.validation import validate
 from llmtrain.models.load import model_config
+from llmtrain.validation import validate
 
 
 def compose_ok(*overrides: str, world_size: int = 1):

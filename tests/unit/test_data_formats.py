@@ -39,7 +39,7 @@ def target_runs(tokenizer, encoded: dict) -> list[str]:
 
 
 def context_text(tokenizer, encoded: dict) -> str:
-    return tokenizer.decode([t for t, l in zip(encoded["input_ids"], encoded["labels"]) if l == IGNORE_INDEX])
+    return tokenizer.decode([t for t, label in zip(encoded["input_ids"], encoded["labels"]) if label == IGNORE_INDEX])
 
 
 def test_text_all_tokens_are_targets_between_bos_and_eos(tokenizer):

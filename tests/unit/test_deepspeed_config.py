@@ -8,8 +8,8 @@ import torch
 from llmtrain.backends.deepspeed_config import DeepSpeedSettings, OffloadSettings, build_ds_config, deep_merge
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
-from llmtrain.validation import config_problems, validate
 from llmtrain.metrics.memory import StorageLedger, deepspeed_expected, formula_16m
+from llmtrain.validation import config_problems, validate
 
 PRESETS = {"deepspeed": (2, "none", "none"), "zero0": (0, "none", "none"), "zero1": (1, "none", "none"),
            "zero2": (2, "none", "none"), "zero3": (3, "none", "none"), "zero3_offload": (3, "cpu", "cpu")}
@@ -139,7 +139,8 @@ def test_presets_are_one_backend(preset):
 BAD = {
     "backend.zero_stage=4": "backend.zero_stage=4 must be 0, 1, 2 or 3",
     "backend.offload_param.device=cpu": "backend.offload_param.device=cpu needs backend.zero_stage=3",
-    "backend.offload_optimizer.device=nvme": "backend.offload_optimizer.device=nvme needs backend.offload_optimizer.nvme_path",
+    "backend.offload_optimizer.device=nvme":
+        "backend.offload_optimizer.device=nvme needs backend.offload_optimizer.nvme_path",
     "backend.offload_optimizer.device=disk": "backend.offload_optimizer.device='disk' must be one of none, cpu, nvme",
     "backend.reduce_bucket_size=0":
         "backend.reduce_bucket_size=0 must be \"auto\" (sized from the model's hidden size) or an integer >= 1",

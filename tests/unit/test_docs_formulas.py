@@ -70,5 +70,6 @@ def test_its_examples_are_what_the_code_computes():
     from llmtrain.backends import BACKENDS
     from llmtrain.metrics.cost import Layout, RoleParams, state_bytes  # "The planner": 7B ZeRO-3 bf16 on 8 ranks
 
-    z3 = state_bytes(RoleParams(trainable=m7b, persistent=65 * 4096), Layout("zero3", BACKENDS["deepspeed"], 3, 8), "bf16")
+    z3 = state_bytes(RoleParams(trainable=m7b, persistent=65 * 4096), Layout("zero3", BACKENDS["deepspeed"], 3, 8),
+                     "bf16")
     assert round((z3.held - z3.gathered) / 2**30, 1) == 14.1

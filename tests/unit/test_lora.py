@@ -8,10 +8,16 @@ import torch
 
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
-from llmtrain.validation import validate
 from llmtrain.models.load import build_model, load_tokenizer
-from llmtrain.models.lora import (LoraSettings, adapter_dir_for, adapter_formula, count_trainable,
-                                  save_adapter_and_merged, unwrap_peft)
+from llmtrain.models.lora import (
+    LoraSettings,
+    adapter_dir_for,
+    adapter_formula,
+    count_trainable,
+    save_adapter_and_merged,
+    unwrap_peft,
+)
+from llmtrain.validation import validate
 from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -126,7 +132,10 @@ def test_adapters_are_a_function_of_the_seed_and_the_module_name(tokenizer):
     torch.manual_seed(2)  # another global RNG state: same adapters
     b = build(tokenizer, seed=3)
     c = build(tokenizer, seed=4)
-    lora_a = lambda m: {n: p for n, p in m.named_parameters() if "lora_A" in n}
+
+    def lora_a(m):
+        return {n: p for n, p in m.named_parameters() if "lora_A" in n}
+
     assert all(torch.equal(p, lora_a(b)[n]) for n, p in lora_a(a).items())
     assert not any(torch.equal(p, lora_a(c)[n]) for n, p in lora_a(a).items())
     assert all(torch.all(p == 0) for n, p in a.named_parameters() if "lora_B" in n)
@@ -213,7 +222,8 @@ def test_dpo_reference_is_the_policy_with_adapters_off(tokenizer):
         base_logps = stage.logps(base, batch)
     updater = Updater(torch.device("cpu"), skip_nonfinite=False)
     first = stage.train_step([batch], engines, updater)
-    assert first["loss"] == torch.tensor(math.log(2)).item() and first["reward_margin"] == 0  # ln 2 in fp32 and first["reward_chosen"] == 0
+    # ln 2 in fp32 and first["reward_chosen"] == 0
+    assert first["loss"] == torch.tensor(math.log(2)).item() and first["reward_margin"] == 0
     assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())  # put back
     second = stage.train_step([batch], engines, updater)
     assert abs(second["loss"] - math.log(2)) > 1e-6 and second["reward_margin"] != 0

@@ -98,7 +98,8 @@ def test_finished_run_token_losses_sum_to_the_training_loss():
     batch = collate([{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
                      {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}], pad_token_id=0)  # (2, 5)
     targets = batch.labels
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]] and targets[1, 3:].tolist() == [-100, -100]
+    assert (batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+            and targets[1, 3:].tolist() == [-100, -100])
     logits = torch.randn(2, 5, 11)
     per_token = per_token_losses(logits, targets)  # (2, 5)
     assert per_token[:, 0].eq(0).all() and per_token[1, 3:].eq(0).all() and per_token[0, 1] == 0

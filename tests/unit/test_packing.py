@@ -64,7 +64,8 @@ def test_packed_examples_never_exceed_max_seq_len_and_hold_every_sample_once(tok
     assert len(packed) < len(unpacked)
     assert all(len(packed[i]["input_ids"]) <= 40 for i in range(len(packed)))
     assert packed.row_lengths() == [len(packed[i]["input_ids"]) for i in range(len(packed))]
-    packed_samples = sorted(tuple(row["input_ids"][start:start + n]) for row in map(packed.__getitem__, range(len(packed)))
+    packed_samples = sorted(tuple(row["input_ids"][start:start + n])
+                            for row in map(packed.__getitem__, range(len(packed)))
                             for start, n in zip([0, *itertools.accumulate(row["seq_lens"])], row["seq_lens"]))
     assert packed_samples == sorted(tuple(unpacked[i]["input_ids"]) for i in range(len(unpacked)))
 

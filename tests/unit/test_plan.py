@@ -13,15 +13,23 @@ import pytest
 from llmtrain.backends import BACKENDS, compared_presets
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
-from llmtrain.metrics.cost import (GB, GIB, Layout, RoleParams, activation_bytes, activation_bytes_per_layer,
-                                   communication, logits_bytes, state_bytes)
+from llmtrain.metrics.cost import (
+    GB,
+    GIB,
+    Layout,
+    RoleParams,
+    activation_bytes,
+    activation_bytes_per_layer,
+    communication,
+    logits_bytes,
+    state_bytes,
+)
 from llmtrain.metrics.devices import GPUS, resolve_gpu
 from llmtrain.models.facts import ModelFacts
 from llmtrain.plan import Setting, plan_row, plan_text, step_flops
-
-COMPARED = compared_presets()
 from tests.helpers import REPO, cli_env
 
+COMPARED = compared_presets()
 SFT_7B_8XH100 = ["recipe=sft_7b", "plan.world_size=8", "plan.gpu=h100-80gb"]
 
 
@@ -35,7 +43,8 @@ def facts(params: int, *, layers: int = 24, hidden: int = 1024, heads: int = 16,
 
 def setting(f: ModelFacts, *, world: int, micro: int = 1, accum: int = 1, seq: int = 1024, precision: str = "bf16",
             gpu: str = "h100-80gb", roles: dict | None = None, checkpointing: bool = False) -> Setting:
-    return Setting(facts=f, roles=roles or {"policy": True}, lora=0, views=frozenset(), precision=precision, gpu=GPUS[gpu], world=world,
+    return Setting(facts=f, roles=roles or {"policy": True}, lora=0, views=frozenset(), precision=precision,
+                   gpu=GPUS[gpu], world=world,
                    micro=micro, accum=accum, seq=seq, rows_per_sample=1, checkpointing=checkpointing, scores=False,
                    mfu=0.4, logits_vocab=f.vocab)
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from llmtrain.config import ConfigError
-from llmtrain.validation import validate
 from llmtrain.compose import compose_config
+from llmtrain.config import ConfigError
 from llmtrain.data.prompts import build_prompts, collate_prompts, split_row
 from llmtrain.rewards.reversal import score as reversal_score
 from llmtrain.stages.ppo.experience import Experience, update_layout
 from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, last_action_positions, load_reward_function
 from llmtrain.stages.ppo.rollout import Rollout, model_inputs, up_to_first_eos
+from llmtrain.validation import validate
 from tests.helpers import TOKENIZER_DIR
 
 EOS = 2

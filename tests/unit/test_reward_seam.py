@@ -9,12 +9,12 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig
 
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
-from llmtrain.validation import config_problems
 from llmtrain.models.heads import scores_at, sequence_scores
 from llmtrain.models.init import module_seed, seeded_init
 from llmtrain.models.load import load_tokenizer, use_distinct_pad_token
 from llmtrain.roles import check_same_data_parallel
 from llmtrain.stages.preference import collate_pairs, last_token_index
+from llmtrain.validation import config_problems
 from tests.helpers import TOKENIZER_DIR
 
 EOS, PAD_AS_EOS = 257, 257
@@ -99,7 +99,8 @@ def test_padding_free_pairs_score_and_logp_like_padded_ones():
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(classifier.config, attn_implementation=SEGMENT_ATTENTION).eval()
     pairs = [dict(p, __filler__=False) for p in PAIRS]
-    padded, packed = (collate_pairs(pairs, 0, padding_free=free).for_attention(SEGMENT_ATTENTION) for free in (False, True))
+    padded, packed = (collate_pairs(pairs, 0, padding_free=free).for_attention(SEGMENT_ATTENTION)
+                      for free in (False, True))
     assert packed.rows.input_ids.shape == (1, 15) and packed.rows.input_ids.flatten()[packed.ends].tolist() == [EOS] * 4
     with torch.no_grad():
         scores = [scores_at(classifier, classifier, b.ends, **b.rows.model_inputs()) for b in (padded, packed)]
@@ -168,4 +169,5 @@ def test_planner_roles_agree_with_the_stages(stage):
             "dpo": "data=reverse_prefs_easy"}[stage]
     cfg = compose_config(["recipe=sft_tiny", f"stage={stage}", data, "data.packing=false"])
     built = build_stage(cfg, load_tokenizer(str(TOKENIZER_DIR), False), "sdpa_segments")
-    assert {role: spec.trainable for role, spec in built.roles.items()} == {role: spec.trainable for role, spec in stage_roles(cfg).items()}
+    assert ({role: spec.trainable for role, spec in built.roles.items()}
+            == {role: spec.trainable for role, spec in stage_roles(cfg).items()})

@@ -23,7 +23,8 @@ def test_wandb_names_group_flat_keys_by_one_table():
 
     expected = {("loss", "sft"): "train/loss", ("eval_accuracy", "sft"): "eval/accuracy",
                 ("tokens_per_s", "sft"): "perf/tokens_per_s", ("mfu", "sft"): "perf/mfu",
-                ("memory_r1_params", "sft"): "memory/r1_params", ("plan_memory_activations", "sft"): "memory/plan_activations",
+                ("memory_r1_params", "sft"): "memory/r1_params",
+                ("plan_memory_activations", "sft"): "memory/plan_activations",
                 ("comm_r0_wire_bytes", "sft"): "comm/r0_wire_bytes", ("kl_coef", "ppo"): "ppo/kl_coef",
                 ("time_rollout", "grpo"): "ppo/time_rollout", ("eval_score", "ppo"): "eval/score",
                 ("accuracy", "reward"): "reward/accuracy", ("chosen_reward", "dpo"): "dpo/chosen_reward",

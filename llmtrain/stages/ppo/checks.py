@@ -20,7 +20,8 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if stage == "grpo" and p.advantage != "grpo":
         problems.append(f"stage=grpo uses group-relative advantages: ppo.advantage={p.advantage!r} must be grpo "
                         "(or use stage=ppo for gae with a critic)")
-    choices = {"ppo.advantage": (p.advantage, tuple(ADVANTAGE_ESTIMATORS)), "ppo.kl.estimator": (kl.estimator, tuple(KL_ESTIMATORS)),
+    choices = {"ppo.advantage": (p.advantage, tuple(ADVANTAGE_ESTIMATORS)),
+               "ppo.kl.estimator": (kl.estimator, tuple(KL_ESTIMATORS)),
                "ppo.critic.init": (p.critic.init, CRITIC_INITS)}
     problems += [f"{name}={value!r} is not one of {', '.join(allowed)}" for name, (value, allowed) in choices.items()
                  if value not in allowed]
@@ -41,7 +42,8 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if r.function is not None and ":" not in r.function:
         problems.append(f"ppo.reward.function={r.function!r} must be module:attribute (e.g. my_rewards:score)")
     if r.normalize and r.model is None:
-        problems.append("ppo.reward.normalize=true uses a reward model's exported reward_mean/std: set ppo.reward.model, "
+        problems.append("ppo.reward.normalize=true uses a reward model's exported reward_mean/std: "
+                        "set ppo.reward.model, "
                         "or ppo.reward.normalize=false")
     if r.clip is not None and not r.clip > 0:
         problems.append(f"ppo.reward.clip={r.clip} must be > 0 (or null)")

@@ -38,7 +38,7 @@ class Experience:
     kl: torch.Tensor  # (B, A) fp32: the per-token KL estimate in the reward (0 off the mask)
 
     @classmethod
-    def of_rollout(cls, rollout: Rollout, scores: torch.Tensor) -> "Experience":
+    def of_rollout(cls, rollout: Rollout, scores: torch.Tensor) -> Experience:
         """The rollout's tensors with every computed field still zero."""
         def zeros() -> torch.Tensor:
             return torch.zeros(rollout.action_mask.shape, device=rollout.sequences.device)
@@ -51,10 +51,10 @@ class Experience:
     def num_actions(self) -> int:
         return self.action_mask.shape[1]
 
-    def select(self, index: torch.Tensor) -> "Experience":
+    def select(self, index: torch.Tensor) -> Experience:
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
-    def trimmed(self) -> "Experience":
+    def trimmed(self) -> Experience:
         """The same rows without the columns none of them uses: left prompt padding, right response padding."""
         width = self.sequences.shape[1]
         used = self.attention_mask.bool().any(0)  # (T,)
@@ -114,7 +114,7 @@ def policy_logps(engine, mb: Experience, temperature: float) -> torch.Tensor:
     return action_logps(logits, mb.sequences, mb.num_actions, temperature) * mb.action_mask
 
 
-def values_of(model: torch.nn.Module, forward, mb: Experience) -> torch.Tensor:
+def values_of(forward, model: torch.nn.Module, mb: Experience) -> torch.Tensor:
     """(b, A) fp32 V_t from the critic's per-token scores at the state before each action (0 off the mask)."""
     with captured_token_scores(model) as captured:
         forward(**model_inputs(mb.sequences, mb.attention_mask))
@@ -138,7 +138,7 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
         if "critic" in engines:
             critic = engines["critic"]
             with torch.no_grad(), critic.autocast():
-                values[rows, :width] = values_of(critic.model, critic.module, mb)
+                values[rows, :width] = values_of(critic.module, critic.model, mb)
     old, ref, values = all_reduce_sum(torch.stack([old, ref, values]), group).unbind()  # each row from one rank
     mask = exp.action_mask
     kl = KL_ESTIMATORS[settings.kl_estimator](old, ref) * mask  # (B, A)

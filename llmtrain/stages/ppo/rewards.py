@@ -46,7 +46,8 @@ def load_reward_function(spec: str) -> Callable:
 RESPONSE_NAMES = ("responses", "completions")  # TRL names them completions
 
 
-def call_reward_function(function: Callable, prompts: list, responses: list[str], columns: dict[str, list]) -> list[float]:
+def call_reward_function(function: Callable, prompts: list, responses: list[str],
+                         columns: dict[str, list]) -> list[float]:
     """`function(prompts, responses, **columns)`: positionally, or by name when it names its parameters as TRL's
     do (`def f(completions, **kwargs)`, `def f(prompts, completions, answer)`): `prompts`, `completions` or
     `responses`, and the data columns it takes (all of them through **kwargs)."""

@@ -77,7 +77,8 @@ def _repeat(values: list, n: int) -> list:
     return [value for value in values for _ in range(n)]
 
 
-def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int,
+              pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     extra = width - ids.shape[1]
     return F.pad(ids, (extra, 0), value=pad_token_id), F.pad(mask, (extra, 0), value=0)
 

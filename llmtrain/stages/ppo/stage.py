@@ -19,12 +19,25 @@ import torch
 
 from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
 from llmtrain.losses.kl import KL_ESTIMATORS
-from llmtrain.losses.ppo import (action_logits, action_logps, entropy_from_logits, explained_variance,
-                                policy_loss_terms, value_clipped, value_loss_terms)
+from llmtrain.losses.ppo import (
+    action_logits,
+    action_logps,
+    entropy_from_logits,
+    explained_variance,
+    policy_loss_terms,
+    value_clipped,
+    value_loss_terms,
+)
 from llmtrain.parallel import all_reduce_max
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.ppo.experience import (Experience, ExperienceSettings, gather_rollout, make_experience,
-                                            update_layout, values_of)
+from llmtrain.stages.ppo.experience import (
+    Experience,
+    ExperienceSettings,
+    gather_rollout,
+    make_experience,
+    update_layout,
+    values_of,
+)
 from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, reward_model_scores
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
 
@@ -49,7 +62,8 @@ class PPOStage(Stage):
     name = "ppo"
     count_name = "samples"
 
-    def __init__(self, roles: dict[str, RoleSpec], tokenizer, *, sampling: SamplingSettings, eval_sampling: SamplingSettings,
+    def __init__(self, roles: dict[str, RoleSpec], tokenizer, *, sampling: SamplingSettings,
+                 eval_sampling: SamplingSettings,
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
                  reward_function=None, prompts_per_step: int, seed: int, attention: str = "sdpa"):
         self.roles, self.tokenizer = roles, tokenizer
@@ -201,7 +215,7 @@ class PPOStage(Stage):
 
     def _value_loss(self, module, mb: Experience, model: torch.nn.Module):
         u = self.update
-        values = values_of(model, module, mb)  # (b, A): the engine's model holds the score layer
+        values = values_of(module, model, mb)  # (b, A): the engine's model holds the score layer
         losses = value_loss_terms(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         clipped = value_clipped(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         return u.value_coef * losses.sum(), clipped.float().sum().reshape(1)
@@ -219,7 +233,8 @@ class PPOStage(Stage):
             exact = torch.zeros_like(real)
             if REFERENCE in rollout.columns:
                 texts = decode_responses(self.tokenizer, rollout, self.eos_ids)
-                exact = torch.tensor([float(t.strip() == str(r).strip()) for t, r in zip(texts, rollout.columns[REFERENCE])],
+                exact = torch.tensor([float(t.strip() == str(r).strip())
+                                      for t, r in zip(texts, rollout.columns[REFERENCE])],
                                      dtype=torch.float64, device=real.device)
             sums += torch.stack([(scores * real).sum(), (exact * real).sum(),
                                  (rollout.action_mask.sum(-1).double() * real).sum(), real.sum()])

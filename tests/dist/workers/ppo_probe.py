@@ -24,9 +24,9 @@ from llmtrain.models.load import load_tokenizer
 from llmtrain.parallel import init_distributed, quiesce, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run import backend_options, optimizer_spec
-from llmtrain.stages.registry import build_stage
 from llmtrain.stages.ppo.experience import gather_rollout, make_experience
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, generate
+from llmtrain.stages.registry import build_stage
 from llmtrain.trainer import Updater
 
 GLOBAL_ROWS, PROMPT, ACTIONS = 8, 5, 6
@@ -47,14 +47,15 @@ def fixed_rollouts(vocab: int, eos: int, pad: int) -> tuple[Rollout, torch.Tenso
     mask = torch.cat([prompt_mask, action_mask], 1)
     tokens[~mask] = pad
     scores = torch.linspace(-1.0, 1.0, GLOBAL_ROWS)
-    rollout = Rollout(tokens, mask.long(), action_mask, ends, [""] * GLOBAL_ROWS, {}, torch.ones(GLOBAL_ROWS, dtype=torch.bool))
+    rollout = Rollout(tokens, mask.long(), action_mask, ends, [""] * GLOBAL_ROWS, {},
+                      torch.ones(GLOBAL_ROWS, dtype=torch.bool))
     return rollout, scores
 
 
 def local_rows(rollout: Rollout, scores: torch.Tensor, rank: int, world: int) -> tuple[Rollout, torch.Tensor]:
     rows = slice(rank * GLOBAL_ROWS // world, (rank + 1) * GLOBAL_ROWS // world)
-    return Rollout(rollout.sequences[rows], rollout.attention_mask[rows], rollout.action_mask[rows], rollout.ended[rows],
-                   rollout.prompts[rows], {}, rollout.real[rows]), scores[rows]
+    return Rollout(rollout.sequences[rows], rollout.attention_mask[rows], rollout.action_mask[rows],
+                   rollout.ended[rows], rollout.prompts[rows], {}, rollout.real[rows]), scores[rows]
 
 
 def main(model_dir: str, backend_name: str, out: Path) -> None:
