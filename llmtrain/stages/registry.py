@@ -11,7 +11,7 @@ from llmtrain.stages.base import ModelSource
 from llmtrain.stages.spec import StageSpec
 
 STAGE_MODULES = ("llmtrain.stages.causal_lm", "llmtrain.stages.reward", "llmtrain.stages.dpo",
-                 "llmtrain.stages.ppo.build")
+                 "llmtrain.stages.ppo.build", "llmtrain.stages.simpo", "llmtrain.stages.orpo")
 
 
 @cache

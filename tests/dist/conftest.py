@@ -52,13 +52,16 @@ PAIRS = ["trainer.max_steps=6", "trainer.grad_accum_steps=2", "trainer.micro_bat
          "optim.weight_decay=0.1", "model.from_config=null", "model.tokenizer=null"]
 PAIR_STAGES = {"rm": ["recipe=rm_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_eval.jsonl'}]"],
                "dpo": ["recipe=dpo_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_easy_eval.jsonl'}]",
-                       "dpo.beta=0.5"]}
+                       "dpo.beta=0.5"],
+               "simpo": ["recipe=simpo_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_easy_eval.jsonl'}]"],
+               "orpo": ["recipe=orpo_tiny", f"data.eval_files=[{DATA / 'reverse_prefs_easy_eval.jsonl'}]"]}
 
 
 @pytest.fixture(scope="session")
 def pair_args():
-    """`pair_args(stage)`: a pair run's arguments for stage "rm" or "dpo" (6 steps of 8 pairs: micro 2 pairs ×
-    accumulation 2 × 2 ranks, fp32, saved at step 3, eval at 0, 3, 6), before the model, backend and output folder."""
+    """`pair_args(stage)`: a pair run's arguments for stage "rm", "dpo", "simpo" or "orpo" (6 steps of 8 pairs:
+    micro 2 pairs × accumulation 2 × 2 ranks, fp32, saved at step 3, eval at 0, 3, 6), before the model, backend
+    and output folder."""
     return lambda stage: [*PAIR_STAGES[stage], *PAIRS]
 
 

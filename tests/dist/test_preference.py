@@ -1,5 +1,5 @@
-"""Reward model and DPO under torchrun (gloo, 2 CPU ranks): parity of ZeRO-2, ZeRO-3 and FSDP2 with DDP, frozen
-reference engines on every backend, bitwise resume, and random init that does not depend on the backend.
+"""Reward model, DPO, SimPO and ORPO under torchrun (gloo, 2 CPU ranks): parity of ZeRO-2, ZeRO-3 and FSDP2 with DDP,
+frozen reference engines on every backend, bitwise resume, and random init that does not depend on the backend.
 
 Every pair run loads the same saved tiny Llama (the reward head, missing from it, comes from the seeded init),
 trains 6 steps of 8 pairs (micro 2 pairs × accumulation 2 × 2 ranks) in fp32 and saves at step 3 (the `pair_args`
@@ -56,7 +56,7 @@ def runs(tiny_model_dir, tmp_path_factory, pair_args) -> Runs:
     return Runs(root, tiny_model_dir, eval_file, pair_args)
 
 
-@pytest.mark.parametrize("stage", ["rm", "dpo"])
+@pytest.mark.parametrize("stage", ["rm", "dpo", "simpo", "orpo"])
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
 def test_parity_with_ddp(runs, stage, backend, assert_close_series):
     """Loss, grad norm and every logged statistic per step within 1e-5 relative of DDP (the first step 1e-6),
@@ -87,7 +87,8 @@ def test_dpo_starts_at_ln2_with_a_frozen_reference_that_saves_no_state(runs, bac
     assert any((run_dir / "checkpoints" / "step_3" / "engines" / "policy").iterdir())
 
 
-@pytest.mark.parametrize("stage, backend", [("rm", "fsdp2"), ("dpo", "ddp"), ("dpo", "zero3"), ("dpo", "fsdp2")])
+@pytest.mark.parametrize("stage, backend", [("rm", "fsdp2"), ("dpo", "ddp"), ("dpo", "zero3"), ("dpo", "fsdp2"),
+                                            ("simpo", "zero3"), ("orpo", "fsdp2")])
 def test_bitwise_resume(runs, stage, backend):
     """6 steps straight vs the step-3 checkpoint resumed in fresh processes: identical losses and statistics
     (frozen roles are rebuilt from their source, the stage's state comes back from stage.json)."""

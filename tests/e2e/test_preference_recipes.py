@@ -95,11 +95,37 @@ def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
     assert after >= before - 0.1, (before, after)
 
 
-@pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny"])
+@pytest.fixture(scope="module")
+def simpo_run(tmp_path_factory):
+    return run_recipe(tmp_path_factory, "simpo_tiny")
+
+
+@pytest.fixture(scope="module")
+def orpo_run(tmp_path_factory):
+    return run_recipe(tmp_path_factory, "orpo_tiny")
+
+
+@pytest.mark.parametrize("recipe", ["simpo_tiny", "orpo_tiny"])
+def test_reference_free_recipes_prefer_the_reversal(recipe, request):
+    """SimPO and ORPO from the sft_tiny base, no reference role: held-out reward accuracy >= 0.8 (the README's
+    threshold), the eval loss went down, and ORPO's NLL is part of its loss."""
+    run_dir = request.getfixturevalue(recipe.replace("_tiny", "_run"))
+    train, evals = read_metrics(run_dir)
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == train[-1]["step"]
+    assert evals[-1]["eval_reward_accuracy"] >= 0.8, evals[-1]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"], evals
+    assert all(r["pairs"] == 16 for r in train)
+    assert not (run_dir / "checkpoints" / f"step_{train[-1]['step']}" / "engines" / "reference").exists()
+    if recipe == "orpo_tiny":
+        assert all(0 < e["eval_nll_loss"] < e["eval_loss"] for e in evals)
+
+
+@pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny", "simpo_tiny", "orpo_tiny"])
 def test_preference_dashboard_rescores_every_held_out_pair(recipe, kernel_name, monkeypatch, request):
     """notebooks/preference_dashboard.ipynb on each run: the exported model scores every held-out pair again (the
-    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base) and the accuracy and mean margin
-    it prints (and asserts) are the run's last evaluation; accuracy and margin by kind of pair; a figure file."""
+    RM at the EOS in transformers; DPO's β·(log π − log π_ref) against the base; SimPO's and ORPO's β·log π averaged
+    over the response) and the accuracy and mean margin it prints (and asserts) are the run's last evaluation;
+    accuracy and margin by kind of pair; a figure file."""
     run_dir = request.getfixturevalue({"rm_tiny": "rm_run"}.get(recipe, recipe.replace("_tiny", "_run")))
     last = read_metrics(run_dir)[1][-1]
     accuracy, margin = (("eval_accuracy", "eval_margin") if recipe == "rm_tiny" else

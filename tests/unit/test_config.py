@@ -37,6 +37,7 @@ def test_every_group_option_composes(group, option):
     rl = ["data=reverse", "ppo.reward.function=llmtrain.rewards.reversal:score", *pairs]
     extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"],
                        "reward": ["data=reverse_prefs", *pairs], "dpo": ["data=reverse_prefs_easy", *pairs],
+                       "simpo": ["data=reverse_prefs_easy", *pairs], "orpo": ["data=reverse_prefs_easy", *pairs],
                        "ppo": rl, "grpo": rl},
              "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"], "reverse_prefs": ["stage=reward", *pairs],
                       "reverse_prefs_easy": ["stage=dpo", *pairs], "hh_rlhf": ["stage=reward", *pairs],
@@ -126,7 +127,7 @@ def test_recipe_from_a_path(tmp_path: Path):
 @pytest.mark.parametrize("override, message", [
     ("model.fused_loss=true", "config: model.fused_loss is not a field of model; model has: name_or_path,"),
     ("trainer.max_step=3", "did you mean trainer.max_steps?"),
-    ("beta=1", "did you mean dpo.beta?"),
+    ("beta=1", "did you mean dpo.beta or simpo.beta or orpo.beta?"),
     ("backend.zero_stage=2", "backend.zero_stage is a field of the deepspeed backend (backend=deepspeed/zero0"),
     ("backend.pp=2", "backend.pp: no backend has pipeline stages yet"),
 ])

@@ -1,0 +1,150 @@
+"""ORPO: supervised fine-tuning on the chosen responses plus an odds-ratio preference term (Hong et al. 2024).
+
+One role, "policy" (trainable), no reference model. Loss of a step:
+    Σ_chosen-tokens −log π(token) / chosen target tokens in the global batch
+  + β · Σ_pairs −logsigmoid(log odds(a_c) − log odds(a_r)) / pairs in the global batch,
+with a = log π(y|x) / |y| the response's log-prob averaged over its target tokens and odds(a) = e^a / (1 − e^a)
+(`losses/reference_free.py`). The NLL is the SFT loss of the chosen responses (response tokens only; TRL's
+ORPOTrainer also counts the prompt's). Logged as TRL does: rewards β·a, `log_odds_ratio` the mean of
+logsigmoid(log_odds), `log_odds_chosen` the mean log_odds, `nll_loss`; `logp_*` are the length-averaged log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums, packed_sequence_logps
+from llmtrain.losses.lm import IGNORE_INDEX
+from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
+from llmtrain.parallel import all_reduce_sum
+from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
+from llmtrain.stages.causal_lm import policy_role
+from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
+from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
+
+# Sums of a step after DPO_STATS: the chosen responses' NLL, Σ log_odds, Σ logsigmoid(log_odds).
+ORPO_STATS = ("nll_sum", "log_odds_chosen", "log_odds_ratio")
+
+
+@dataclass
+class ORPOConfig:
+    """stage=orpo: NLL of the chosen responses + β·(−logsigmoid(log odds ratio)), no reference model."""
+    beta: float = 0.1  # λ of the paper (0.1 there and in TRL), the weight of the odds-ratio term
+
+
+@dataclass
+class ORPOPairBatch(PairBatch):
+    num_chosen_targets: int = 0  # target tokens of the chosen responses (0 for filler pairs), counted on the host
+
+
+def sequence_target_counts(labels: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """(num_sequences,) long: each sequence's target tokens, the ones `packed_sequence_logps` sums over.
+
+    labels, sequence_ids: (R, T); a log-prob counts for the sequence of the token it predicts (position t + 1)."""
+    owner = sequence_ids[:, 1:]  # (R, T-1)
+    kept = (labels[:, 1:] != IGNORE_INDEX) & (owner >= 0)  # (R, T-1)
+    return torch.bincount(owner[kept], minlength=num_sequences)
+
+
+def collate_orpo_pairs(examples: list[dict], pad_token_id: int, padding_free: bool = False) -> ORPOPairBatch:
+    batch = collate_pairs(examples, pad_token_id=pad_token_id, padding_free=padding_free)
+    counts = sequence_target_counts(batch.rows.labels, batch.sequence_ids, batch.num_sequences)  # (2P,)
+    return ORPOPairBatch(**vars(batch), num_chosen_targets=int(batch.split(counts)[0].sum()))
+
+
+class ORPOStage(Stage):
+    name = "orpo"
+    count_name = "pairs"
+
+    def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, padding_free: bool = False):
+        self.roles = policy_role(None, source)
+        self.collate = partial(collate_orpo_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
+        self.beta = beta
+
+    def logps(self, forward, batch: ORPOPairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen summed (P,), chosen averaged (P,), rejected averaged (P,)) response log-probs, fp32: one forward."""
+        logits = forward(**batch.rows.model_inputs()).logits  # (R, T, V): 1 packed row or 2P padded rows
+        labels, sequence_ids, n = batch.rows.labels, batch.sequence_ids, batch.num_sequences
+        sums = packed_sequence_logps(logits, labels, sequence_ids, n)  # (2P,)
+        means = sums / sequence_target_counts(labels, sequence_ids, n).clamp(min=1)  # (2P,) as average=True
+        return batch.split(sums)[0], *batch.split(means)
+
+    def terms(self, chosen: torch.Tensor, rejected: torch.Tensor) -> ORPOTerms:
+        return orpo_terms(chosen, rejected, beta=self.beta)
+
+    def train_step(self, micro_batches: list[ORPOPairBatch], engines: dict, updater: Updater) -> dict:
+        policy = engines["policy"]
+        pairs = sum(b.num_pairs for b in micro_batches)
+        tokens = sum(b.num_chosen_targets for b in micro_batches)
+        # Two normalisers: the Updater divides every micro-batch's loss sum by the global pairs, but the NLL must be
+        # divided by the global chosen target tokens. So the NLL sum enters scaled by global_pairs / global_tokens:
+        # after the Updater's 1 / global_pairs it is NLL_sum / global_tokens, while the odds-ratio sum keeps its
+        # 1 / global_pairs. Both counts are reduced here, on the host's numbers, before the first forward.
+        counts = torch.tensor([pairs, tokens], dtype=torch.float64, device=updater.device)
+        global_pairs, global_tokens = all_reduce_sum(counts, policy.dp_group).tolist()
+        nll_scale = global_pairs / max(global_tokens, 1.0)
+
+        def micro_loss(module, batch: ORPOPairBatch):
+            chosen_sum, chosen, rejected = self.logps(module, batch)
+            terms = self.terms(chosen, rejected)
+            nll_sum = -chosen_sum.sum()
+            stats = torch.stack([nll_sum.detach().double(), terms.log_odds.double().sum(),
+                                 F.logsigmoid(terms.log_odds).double().sum()])
+            return nll_sum * nll_scale + terms.losses.sum(), torch.cat([dpo_stat_sums(terms, chosen, rejected), stats])
+
+        result = updater.update(policy, micro_batches, micro_loss, pairs, num_stats=len(DPO_STATS + ORPO_STATS))
+        sums, num_pairs = dict(zip(DPO_STATS + ORPO_STATS, result.sums)), max(result.count, 1)
+        return {"loss": result.loss, **dpo_metrics(sums, num_pairs),
+                "nll_loss": sums["nll_sum"] / max(global_tokens, 1.0),
+                "log_odds_chosen": sums["log_odds_chosen"] / num_pairs,
+                "log_odds_ratio": sums["log_odds_ratio"] / num_pairs,
+                "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+
+    @torch.no_grad()
+    def evaluate(self, batches, engines: dict) -> dict:
+        policy = engines["policy"]
+        policy.module.eval()
+        # NLL, odds-ratio loss, correct, margin, pairs, chosen target tokens
+        sums = torch.zeros(6, dtype=torch.float64, device=policy.ctx.device)
+        for batch in batches:
+            with policy.autocast():
+                chosen_sum, chosen, rejected = self.logps(policy.module, batch)
+                terms = self.terms(chosen, rejected)
+            w = batch.weight.double()  # (P,) 0 for a filler pair (whose labels are all masked: no NLL, no tokens)
+            margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
+            sums += torch.stack([-chosen_sum.double().sum(), (terms.losses.double() * w).sum(),
+                                 ((margin > 0).double() * w).sum(), (margin * w).sum(), w.sum(),
+                                 torch.tensor(float(batch.num_chosen_targets), dtype=torch.float64,
+                                              device=sums.device)])
+        nll, ratio, correct, margin, pairs, tokens = reduce_sums(list(sums), policy)
+        pairs, tokens = max(pairs, 1), max(tokens, 1)
+        return {"eval_loss": nll / tokens + ratio / pairs, "eval_nll_loss": nll / tokens,
+                "eval_reward_accuracy": correct / pairs, "eval_reward_margin": margin / pairs,
+                "eval_pairs": int(pairs)}
+
+
+def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> ORPOStage:
+    return ORPOStage(source, tokenizer.pad_token_id, beta=cfg.orpo.beta,
+                     padding_free=padding_free_for(attn_implementation))
+
+
+def problems(cfg, dp: int) -> list[str]:
+    found = pair_problems(cfg, "orpo")
+    if not cfg.orpo.beta > 0:
+        found.append(f"orpo.beta={cfg.orpo.beta} must be > 0 (typical: 0.1; with 0 it is SFT on the chosen "
+                     "responses: use stage=sft)")
+    return found
+
+
+def implicit_reward(cfg) -> ImplicitReward:
+    return ImplicitReward(beta=cfg.orpo.beta, averaged=True, reference=False)
+
+
+STAGE_SPECS = (StageSpec(name="orpo", build=build, roles=policy_role, data_formats=PREFERENCE_FORMATS,
+                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="orpo",
+                         config_node="orpo", config_class=ORPOConfig, problems=problems, pair_scores="implicit",
+                         implicit_reward=implicit_reward),)

@@ -1,0 +1,100 @@
+"""SimPO: a trainable policy on pairs of responses, with no reference model (Meng et al. 2024).
+
+One role, "policy" (trainable). A response's reward is β·a, a = log π(y|x) / |y| its log-prob averaged over its
+target tokens; the loss of a step is Σ_pairs −logsigmoid(β·(a_c − a_r) − γ) / pairs in the global batch
+(`losses/reference_free.py`: `simpo.gamma` is γ, TRL's `simpo_gamma`; a `gamma_beta_ratio` elsewhere is γ/β).
+Equal log-probs cost softplus(γ) per pair. `logp_chosen` / `logp_rejected` are the length-averaged log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums, packed_sequence_logps
+from llmtrain.losses.reference_free import SimPOTerms, simpo_terms
+from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
+from llmtrain.stages.causal_lm import policy_role
+from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
+from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
+
+
+@dataclass
+class SimPOConfig:
+    """stage=simpo: −logsigmoid(β·(a_c − a_r) − γ) on length-averaged log-probs a, no reference model."""
+    beta: float = 2.0  # the SimPO paper's range: 2.0 to 2.5 (DPO's 0.1 is far too small here)
+    gamma: float = 1.0  # target reward margin γ (the SimPO authors' γ/β is about 0.5: γ ≈ 1 at β = 2)
+
+
+class SimPOStage(Stage):
+    name = "simpo"
+    count_name = "pairs"
+
+    def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, gamma: float,
+                 padding_free: bool = False):
+        self.roles = policy_role(None, source)
+        self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
+        self.beta, self.gamma = beta, gamma
+
+    def logps(self, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen (P,), rejected (P,)) length-averaged response log-probs, fp32."""
+        logits = forward(**batch.rows.model_inputs()).logits  # (R, T, V): 1 packed row or 2P padded rows
+        return batch.split(packed_sequence_logps(logits, batch.rows.labels, batch.sequence_ids, batch.num_sequences,
+                                                 average=True))
+
+    def terms(self, logps: tuple[torch.Tensor, torch.Tensor]) -> SimPOTerms:
+        return simpo_terms(*logps, beta=self.beta, gamma=self.gamma)
+
+    def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
+        def micro_loss(module, batch: PairBatch):
+            logps = self.logps(module, batch)
+            terms = self.terms(logps)
+            return terms.losses.sum(), dpo_stat_sums(terms, *logps)
+
+        pairs = sum(b.num_pairs for b in micro_batches)
+        result = updater.update(engines["policy"], micro_batches, micro_loss, pairs, num_stats=len(DPO_STATS))
+        metrics = dpo_metrics(dict(zip(DPO_STATS, result.sums)), max(result.count, 1))
+        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+
+    @torch.no_grad()
+    def evaluate(self, batches, engines: dict) -> dict:
+        policy = engines["policy"]
+        policy.module.eval()
+        sums = torch.zeros(4, dtype=torch.float64, device=policy.ctx.device)  # loss, correct, margin, pairs
+        for batch in batches:
+            with policy.autocast():
+                terms = self.terms(self.logps(policy.module, batch))
+            w = batch.weight.double()  # (P,) 0 for a filler pair
+            margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
+            sums += torch.stack([(terms.losses.double() * w).sum(), ((margin > 0).double() * w).sum(),
+                                 (margin * w).sum(), w.sum()])
+        loss, correct, margin, pairs = reduce_sums(list(sums), policy)
+        pairs = max(pairs, 1)
+        return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs,
+                "eval_reward_margin": margin / pairs, "eval_pairs": int(pairs)}
+
+
+def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> SimPOStage:
+    return SimPOStage(source, tokenizer.pad_token_id, beta=cfg.simpo.beta, gamma=cfg.simpo.gamma,
+                      padding_free=padding_free_for(attn_implementation))
+
+
+def problems(cfg, dp: int) -> list[str]:
+    s, found = cfg.simpo, pair_problems(cfg, "simpo")
+    if not s.beta > 0:
+        found.append(f"simpo.beta={s.beta} must be > 0 (typical: 2.0 to 2.5; it scales the length-averaged reward)")
+    if not s.gamma >= 0:
+        found.append(f"simpo.gamma={s.gamma} must be >= 0 (the target reward margin; typical: 0.5 to 2)")
+    return found
+
+
+def implicit_reward(cfg) -> ImplicitReward:
+    return ImplicitReward(beta=cfg.simpo.beta, averaged=True, reference=False)
+
+
+STAGE_SPECS = (StageSpec(name="simpo", build=build, roles=policy_role, data_formats=PREFERENCE_FORMATS,
+                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="simpo",
+                         config_node="simpo", config_class=SimPOConfig, problems=problems, pair_scores="implicit",
+                         implicit_reward=implicit_reward),)
