@@ -128,6 +128,9 @@ class PlanConfig:
     link_gb_per_s: Optional[float] = None  # per-rank collective bandwidth, GB/s one way (overrides the table's)
     mfu: float = 0.4  # compute efficiency the step time assumes (model FLOPs / peak while computing)
     compare_backends: bool = False  # one table, a row per backend (ddp, zero1..3, zero3_offload, fsdp2, fsdp2_tp)
+    # a run whose plan does not fit the memory (a GPU's; on a CPU the host's RAM over its local ranks) stops before
+    # anything loads, naming the fixes; false: run anyway (dry_run and `python -m llmtrain.plan` never stop)
+    enforce_fit: bool = True
 
 
 @dataclass

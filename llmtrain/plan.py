@@ -381,9 +381,13 @@ def check_backend_against_model(cfg: DictConfig, world: int) -> None:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The planner's view of one run, computed once: the dry-run text and the figures the live cost compares with."""
+    """The planner's view of one run, computed once: the dry-run text, the figures the live cost compares with, and
+    what the fit check reads (its setting, its backend's row, the device: plan_fit.run_fit_problems)."""
     text: str
     figures: PlanFigures
+    setting: Setting | None = None
+    row: Row | None = None
+    gpu: Gpu | None = None
 
 
 def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
@@ -413,7 +417,7 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
              roles_summary(st, row), batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}", ""]
     text = "\n".join(lines + describe(cfg, world, gpu, precision, facts))
-    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision))
+    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision), setting=st, row=row, gpu=gpu)
 
 
 def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures:
@@ -436,6 +440,8 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures
                        peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
                        comm=planned(row.comm))
 
+
+# ---- the fit check: a run whose plan does not fit stops before anything loads (run.py) ---------------------------
 
 def plan_text(cfg: DictConfig) -> str:
     """`python -m llmtrain.plan`: validate for the planned world, then the plan."""

@@ -23,6 +23,7 @@ from llmtrain.models.load import load_tokenizer, resolve_attn_implementation
 from llmtrain.models.lora import LoraSettings
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
+from llmtrain.plan_fit import run_fit_problems
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages.base import trainable_roles
@@ -77,6 +78,9 @@ def run(cfg: DictConfig) -> None:
     if cfg.dry_run:
         print(plan.text, flush=True)
         return
+    too_big = run_fit_problems(cfg, plan)  # every rank, before the process group and any weights (plan.enforce_fit)
+    if too_big:
+        raise ConfigError("\n".join(too_big))
     resume_dir = ckpt.find_resume_dir(cfg.resume, run_dir)
     ctx = init_distributed(cfg.device, cfg.trainer.collective_timeout_s)
     try:

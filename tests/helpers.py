@@ -109,3 +109,16 @@ def write_recipe(path: Path, body: str = TINY_BASE) -> Path:
 
 def uses_base(ref: str, extra: str = "") -> str:
     return f"model:\n  name_or_path: ${{base:{ref}}}\n  from_config: null\n  tokenizer: null\n{TINY_BASE}{extra}"
+
+
+# ---- real tokenizers and chat templates (tests/fixtures/tokenizers.py) ------------------------------------------
+
+
+def save_tiny_model_with_tokenizer(directory: Path, name: str, model_type: str = "llama", seed: int = 0) -> Path:
+    """save_tiny_model with fixture tokenizer NAME (llama3, qwen2_5, deepseek, mistral_v3: a real vocabulary, its
+    chat template, bos/eos/pad, and a generation_config.json with sampling fields) instead of the shipped tiny one:
+    config.json + model.safetensors + the tokenizer's files, in DIRECTORY. fixture_model(name, model_type) in
+    tests/fixtures/tokenizers.py caches the same next to the tokenizer."""
+    from tests.fixtures.tokenizers import fixture_tokenizer, write_tiny_model
+
+    return write_tiny_model(fixture_tokenizer(name), directory, model_type, seed)

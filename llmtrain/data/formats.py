@@ -262,7 +262,8 @@ class PairParts(NamedTuple):
 
 
 def encode_preference(row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
-    """A chosen and a rejected sequence sharing a loss-free prompt; both end in eos (the scored token).
+    """A chosen and a rejected sequence sharing a loss-free prompt; both end in their stop token (the scored one):
+    eos for text, the chat template's end of turn for conversations.
 
     Rows are `prompt` + `chosen` + `rejected` strings; chat messages lists for chosen and rejected
     (after an optional `prompt` list of messages, TRL's conversational layout; see `_chat_pair`), whose
@@ -365,7 +366,9 @@ def _chat_pair(prompt: list[dict] | str | None, chosen: list[dict], rejected: li
                 f"located; use a template that renders each turn on its own, or give strings")
         turn = _turn_span(len(before), through, special_ids)
         response = through[turn.start : turn.end]  # through the end-of-turn token; formatting after it goes
-        responses[side] = response if response[-1:] == eos else response + eos
+        # A reply ends at the template's end of turn, where SFT taught it to stop and rollouts stop: the token a
+        # reward model scores. Only a template that prints no special token after the reply gets eos.
+        responses[side] = response if response[-1:] and response[-1] in special_ids else response + eos
     head = before[:1] if before[:1] == _bos(tokenizer) else []
     return PairParts(head, before[len(head):], responses["chosen"], responses["rejected"])
 

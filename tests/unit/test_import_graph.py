@@ -16,7 +16,7 @@ FLOORS = (
     ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards"),
     ("llmtrain.backends", "llmtrain.stages", "llmtrain.roles", "llmtrain.trainer", "llmtrain.checkpoint"),
     ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan_rl", "llmtrain.finished_run"),
-    ("llmtrain.plan", "llmtrain.run", "llmtrain.bases", "llmtrain.compose", "llmtrain.__main__"),
+    ("llmtrain.plan", "llmtrain.plan_fit", "llmtrain.run", "llmtrain.bases", "llmtrain.compose", "llmtrain.__main__"),
 )
 
 

@@ -91,8 +91,10 @@ def test_reward_function_gets_named_columns_or_all_of_them():
     assert call_reward_function(everything, ["p", "q"], ["a", "x"], columns) == [2.0, 2.0]
     with pytest.raises(ValueError, match="returned 1 scores for 2"):
         call_reward_function(lambda p, r: [0.0], ["p", "q"], ["a", "x"], {})
-    with pytest.raises(ValueError, match="non-finite"):
-        call_reward_function(lambda p, r: [0.0, math.nan], ["p", "q"], ["a", "x"], {})
+    # None or NaN: the function does not score that response (TRL's rule); an infinity is an error
+    assert call_reward_function(lambda p, r: [0.0, math.nan], ["p", "q"], ["a", "x"], {}) == [0.0, None]
+    with pytest.raises(ValueError, match="infinite"):
+        call_reward_function(lambda p, r: [0.0, math.inf], ["p", "q"], ["a", "x"], {})
 
 
 def test_reward_function_is_imported_by_module_and_attribute(tmp_path, monkeypatch):
@@ -188,8 +190,61 @@ def test_trl_style_reward_functions_are_called_by_keyword():
     assert call_reward_function(as_tensor, ["p", "q"], ["a", "x"], columns) == [1.5, -0.5]
     with pytest.raises(ValueError, match="non-numeric"):
         call_reward_function(lambda p, r: ["1.0", 2.0], ["p", "q"], ["a", "x"], {})
-    with pytest.raises(ValueError, match="non-numeric"):
-        call_reward_function(lambda p, r: [None, 2.0], ["p", "q"], ["a", "x"], {})
+    assert call_reward_function(lambda p, r: [None, 2.0], ["p", "q"], ["a", "x"], {}) == [None, 2.0]
     assert call_reward_function(lambda p, r: [True, False], ["p", "q"], ["a", "x"], {}) == [1.0, 0.0]  # bools count
     assert call_reward_function(lambda **kw: [len(kw["completions"][0]), len(kw["prompts"])], ["p", "q"], ["ab", "x"],
                                 {}) == [2.0, 2.0]
+
+
+def completions_of(prompts, texts, **columns):
+    from transformers import TrainerState
+
+    from llmtrain.stages.ppo.rewards import Completions
+
+    return Completions(prompts=prompts, texts=texts, ids=[[ord(c) for c in t] + [0] for t in texts], columns=columns,
+                       trainer_state=TrainerState(global_step=7))
+
+
+def test_trl_reward_functions_run_unchanged_on_chat_and_text_prompts():
+    """TRL's own reward functions (trl.rewards) by TRL's calling convention: completions as strings for text
+    prompts, as [{"role": "assistant", "content": ...}] for chat prompts, plus completion_ids and trainer_state."""
+    from trl.rewards import think_format_reward
+
+    from llmtrain.stages.ppo.rewards import RewardFunction, combined_scores
+
+    chat = [[{"role": "user", "content": "what is 2+2?"}]] * 2
+    texts = ["<think>\nadd them\n</think>\n4", "4"]
+    think = [RewardFunction("trl.rewards:think_format_reward", think_format_reward)]
+    assert combined_scores(think, completions_of(chat, texts))[0] == [1.0, 0.0]
+    # text prompts: completions as strings (TRL's soft overlong punishment reads completion_ids)
+    from trl.rewards import get_soft_overlong_punishment
+
+    overlong = RewardFunction("overlong", get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2))
+    # the ids include the stop token: 3 ids is one past max_completion_len - cache = 2, 6 past the length
+    assert combined_scores([overlong], completions_of(["p", "q"], ["ab", "abcde"]))[0] == [-0.5, -1.0]
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, trainer_state, **kwargs):
+        seen.update(completions=completions, ids=completion_ids, step=trainer_state.global_step, kwargs=kwargs)
+        return [1.0] * len(completions)
+
+    combined_scores([RewardFunction("spy", spy)], completions_of(chat, ["ab", "c"], answer=["4", "4"]))
+    assert seen == {"completions": [[{"role": "assistant", "content": "ab"}], [{"role": "assistant", "content": "c"}]],
+                    "ids": [[97, 98, 0], [99, 0]], "step": 7, "kwargs": {"answer": ["4", "4"]}}
+
+
+def test_several_reward_functions_are_weighted_and_none_is_skipped():
+    from llmtrain.stages.ppo.rewards import RewardFunction, combined_scores
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def only_short(completions, **kwargs):
+        return [1.0 if len(c) < 3 else None for c in completions]  # None: not this function's business
+
+    functions = [RewardFunction("length", length, 0.5), RewardFunction("only_short", only_short, 2.0)]
+    scores, means = combined_scores(functions, completions_of(["p", "q"], ["ab", "abcd"]))
+    assert scores == [0.5 * 2 + 2.0 * 1, 0.5 * 4] and means == {"length": 3.0, "only_short": 1.0}
+    with pytest.raises(ValueError, match="reward function never scored none of the 2 responses"):
+        combined_scores([RewardFunction("never", lambda completions, **kw: [None, math.nan])],
+                        completions_of(["p", "q"], ["a", "b"]))

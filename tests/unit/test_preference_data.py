@@ -77,9 +77,9 @@ def test_chat_sides_share_the_prompt_and_target_only_the_final_reply(tokenizer):
     row = {"chosen": context + chat(("assistant", "bot")), "rejected": context + chat(("assistant", "no"))}
     encoded = encode(tokenizer, row)
     rendered_context = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
-    # the template's end-of-turn token, then eos (the template's own "\n" after it is formatting)
-    assert split(tokenizer, encoded, "chosen") == (rendered_context, "bot<|end|></s>")
-    assert split(tokenizer, encoded, "rejected") == (rendered_context, "no<|end|></s>")
+    # through the template's end-of-turn token, where SFT stops and rollouts stop (its "\n" after it is formatting)
+    assert split(tokenizer, encoded, "chosen") == (rendered_context, "bot<|end|>")
+    assert split(tokenizer, encoded, "rejected") == (rendered_context, "no<|end|>")
 
 
 def test_conversational_prompt_list_with_one_message_sides(tokenizer):
@@ -89,7 +89,7 @@ def test_conversational_prompt_list_with_one_message_sides(tokenizer):
     whole = encode(tokenizer, {"chosen": prompt + chat(("assistant", "yo")),
                                "rejected": prompt + chat(("assistant", "go away"))})
     assert trl == whole
-    assert split(tokenizer, trl, "chosen") == ("<|user|>\nhi<|end|>\n<|assistant|>\n", "yo<|end|></s>")
+    assert split(tokenizer, trl, "chosen") == ("<|user|>\nhi<|end|>\n<|assistant|>\n", "yo<|end|>")
     examples, _ = build_examples(rows_of([{"prompt": prompt, "chosen": chat(("assistant", "yo")),
                                            "rejected": chat(("assistant", "go away"))}]),
                                  tokenizer, fmt="preference", max_seq_len=64)  # through arrow's structs
@@ -121,11 +121,16 @@ def test_mixed_shapes_are_an_error(tokenizer):
     {"chosen": "some text", "rejected": "other"},
     {"chosen": chat(("user", "hi"), ("assistant", "yo")), "rejected": chat(("user", "hi"), ("assistant", "no"))},
 ])
-def test_every_side_ends_in_eos(tokenizer, row):
+def test_every_side_ends_in_its_stop_token(tokenizer, row):
+    """eos for text; a conversation's reply ends at the template's end of turn (models/stop_tokens.py)."""
+    from llmtrain.models.stop_tokens import end_of_turn_id
+
+    stop = end_of_turn_id(tokenizer) if isinstance(row["chosen"], list) else tokenizer.eos_token_id
+    assert stop == (tokenizer.convert_tokens_to_ids("<|end|>") if isinstance(row["chosen"], list) else 257)
     encoded = encode(tokenizer, row)
     for side in SIDES:
-        assert encoded[f"{side}_input_ids"][-1] == tokenizer.eos_token_id
-        assert encoded[f"{side}_labels"][-1] == tokenizer.eos_token_id
+        assert encoded[f"{side}_input_ids"][-1] == stop
+        assert encoded[f"{side}_labels"][-1] == stop
 
 
 def test_truncation_keeps_bos_the_end_of_the_prompt_and_eos(tokenizer):
@@ -142,10 +147,10 @@ def test_truncation_keeps_bos_the_end_of_the_prompt_and_eos(tokenizer):
 def test_truncation_of_a_chat_prompt_keeps_its_end(tokenizer):
     row = {"chosen": chat(("user", "a long question"), ("assistant", "yes")),
            "rejected": chat(("user", "a long question"), ("assistant", "no"))}
-    max_seq_len = 12  # "yes<|end|></s>" is 5 tokens: the last 7 prompt tokens are kept (this template has no bos)
+    max_seq_len = 12  # "yes<|end|>" is 4 tokens: the last 8 prompt tokens are kept (this template has no bos)
     encoded = encode(tokenizer, row, max_seq_len)
     assert encoded["outcome"] == "truncated"
-    assert split(tokenizer, encoded, "chosen") == ("ion<|end|>\n<|assistant|>\n", "yes<|end|></s>")
+    assert split(tokenizer, encoded, "chosen") == ("tion<|end|>\n<|assistant|>\n", "yes<|end|>")
 
 
 def test_a_reply_that_alone_overflows_is_dropped(tokenizer):

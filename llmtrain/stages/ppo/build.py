@@ -3,17 +3,23 @@ imported here, before any model loads: a wrong `module:attribute` fails fast, on
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+from transformers import GenerationConfig
+
 from llmtrain.config import ConfigError
 from llmtrain.losses.advantages import needs_critic
 from llmtrain.losses.kl import build_kl_controller
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
+from llmtrain.models.stop_tokens import derive_stop_tokens
 from llmtrain.stages.base import ModelSource, RoleSpec
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.config import PPOConfig
 from llmtrain.stages.ppo.experience import ExperienceSettings
-from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_function, reward_model_statistics
-from llmtrain.stages.ppo.rollout import SamplingSettings
+from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_functions, reward_model_statistics
+from llmtrain.stages.ppo.rollout import SamplingSettings, checkpoint_overrides
 from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
 from llmtrain.stages.spec import PROMPT_FORMATS, RLShape, StageSpec
 
@@ -50,6 +56,30 @@ def old_logps_from_update(p) -> bool:
             and p.mini_batch_size == p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt)
 
 
+log = logging.getLogger(__name__)
+CHAT_FORMATS = ("messages", "prompt")  # prompts rendered with the chat template (a `prompt` column of messages)
+
+
+def stop_ids(cfg, source: ModelSource, tokenizer) -> list[int]:
+    """The run's stop tokens, named in the log with what the neutral generation config overrides."""
+    chat = cfg.data.format in CHAT_FORMATS and getattr(tokenizer, "chat_template", None) is not None
+    stop = derive_stop_tokens(tokenizer, source.name_or_path, chat)
+    log.info("stop tokens: %s", stop.describe(tokenizer))
+    directory = Path(source.name_or_path or "")
+    if source.name_or_path and (directory / "generation_config.json").is_file():
+        overridden = checkpoint_overrides(GenerationConfig.from_pretrained(directory))
+        if overridden:
+            log.info("rollouts sample from softmax(logits / ppo.rollout.temperature) with the run's top-k/top-p "
+                     "only; not applied from %s/generation_config.json: %s", directory,
+                     ", ".join(f"{k}={v}" for k, v in sorted(overridden.items())))
+    return list(stop.ids)
+
+
+def reward_function_specs(reward) -> list[str]:
+    """`ppo.reward.functions`, or the one-function shorthand `ppo.reward.function`."""
+    return list(reward.functions) or ([reward.function] if reward.function else [])
+
+
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOStage:
     p, t = cfg.ppo, cfg.trainer
     r, rollout = p.reward, p.rollout
@@ -75,9 +105,9 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     stage = PPOStage(ppo_roles(cfg, source), tokenizer, sampling=sampling, eval_sampling=eval_sampling,
                      experience=experience, update=update,
                      kl_controller=build_kl_controller(p.kl.coef if p.kl.in_reward else 0.0, p.kl.target, p.kl.horizon),
-                     shaping=shaping, reward_function=load_reward_function(r.function) if r.function else None,
+                     shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
-                     attention=attention_for_rollouts(attn_implementation))
+                     stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation))
     stage.name = cfg.stage.name
     return stage
 

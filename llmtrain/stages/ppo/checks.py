@@ -36,11 +36,7 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if m.attn_implementation in SEGMENT_ONLY_ATTENTION:
         problems.append(f"stage {stage}: model.attn_implementation={m.attn_implementation} ignores padding masks, but "
                         "prompts are left-padded: use auto (sdpa, or flash-attention on a GPU) or sdpa")
-    if (r.model is None) == (r.function is None):
-        problems.append("set exactly one of ppo.reward.model (a reward model directory) and ppo.reward.function "
-                        f"(module:attribute); got model={r.model!r}, function={r.function!r}")
-    if r.function is not None and ":" not in r.function:
-        problems.append(f"ppo.reward.function={r.function!r} must be module:attribute (e.g. my_rewards:score)")
+    problems += _reward_function_problems(r)
     if r.normalize and r.model is None:
         problems.append("ppo.reward.normalize=true uses a reward model's exported reward_mean/std: "
                         "set ppo.reward.model, "
@@ -65,6 +61,27 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if t.grad_accum_steps != 1:
         problems.append(f"stage {stage}: a mini-batch is one optimizer step (ppo.mini_batch_size sequences, global); "
                         f"trainer.grad_accum_steps={t.grad_accum_steps} must be 1")
+    return problems
+
+
+def _reward_function_problems(r: Any) -> list[str]:
+    """Exactly one source of scores; functions as module:attribute, one weight each."""
+    problems, functions = [], list(r.functions)
+    if r.function is not None and functions:
+        problems.append(f"set ppo.reward.function (one) or ppo.reward.functions (several), not both; got "
+                        f"function={r.function!r}, functions={functions}")
+    specs = functions or ([r.function] if r.function is not None else [])
+    if (r.model is None) == (not specs):
+        problems.append("set exactly one of ppo.reward.model (a reward model directory) and ppo.reward.function "
+                        f"(module:attribute; several: ppo.reward.functions=[...]); got model={r.model!r}, "
+                        f"function={r.function!r}")
+    key = "ppo.reward.functions" if functions else "ppo.reward.function"
+    named = "{key}: {spec!r}" if functions else "{key}={spec!r}"
+    problems += [f"{named.format(key=key, spec=spec)} must be module:attribute (e.g. my_rewards:score)"
+                 for spec in specs if ":" not in spec]
+    if r.weights is not None and len(r.weights) != len(specs):
+        problems.append(f"ppo.reward.weights has {len(r.weights)} values for {len(specs)} reward function(s) ({key}): "
+                        "give one weight per function, or drop ppo.reward.weights (1 each)")
     return problems
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -18,9 +18,13 @@ class PPOCriticConfig(PPORoleConfig):
 
 @dataclass
 class PPORewardConfig:
-    """Exactly one of `model` (a reward model directory: a frozen role) and `function` (`module:attribute`)."""
+    """Exactly one of `model` (a reward model directory: a frozen role) and `function`/`functions`
+    (`module:attribute`)."""
     model: Optional[str] = None
-    function: Optional[str] = None  # score(prompts, responses, **columns) -> list[float]
+    # score(prompts, responses, **columns) -> list[float], or a function written for TRL
+    function: Optional[str] = None
+    functions: List[str] = field(default_factory=list)  # several, summed with `weights` (TRL's reward_funcs)
+    weights: Optional[List[float]] = None  # one per function (TRL's reward_weights); null: 1 each
     clip: Optional[float] = None  # scores clipped to [-clip, clip]
     normalize: bool = False  # (score - reward_mean) / reward_std with the reward model's exported statistics
     missing_eos_penalty: Optional[float] = None  # added to the score of a response that ended without EOS

@@ -2,9 +2,10 @@
 
 A reward function is `score(prompts: list, responses: list[str], **columns) -> list[float]`, imported from
 `module:attribute` on PYTHONPATH: `prompts` are the raw prompt column, `responses` the decoded text up to
-(not including) the EOS; the dataset's other columns are passed as keyword lists when the function takes
-them (by name, or all of them through **kwargs), as TRL and verl do. TRL-style functions that name their
-parameters (`completions`, `prompts`) are called by keyword.
+(not including) the stop token; the dataset's other columns are passed as keyword lists when the function takes
+them (by name, or all of them through **kwargs), as TRL and verl do. Functions written for TRL (`completions`,
+`**kwargs`) run unchanged: called by keyword with TRL's `completions` (conversational for chat prompts),
+`completion_ids` and `trainer_state`. Several functions are summed with weights; a None score is skipped.
 Scores are then clipped (`clip`), normalised with the reward model's exported mean/std (`normalize`),
 and a response cut at max_new_tokens gets `missing_eos_penalty` added.
 """
@@ -44,30 +45,84 @@ def load_reward_function(spec: str) -> Callable:
 
 
 RESPONSE_NAMES = ("responses", "completions")  # TRL names them completions
+TRL_KEYWORDS = ("completion_ids", "trainer_state")  # what else TRL passes by keyword
 
 
-def call_reward_function(function: Callable, prompts: list, responses: list[str],
-                         columns: dict[str, list]) -> list[float]:
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # `module:attribute`, as the config names it
+    function: Callable
+    weight: float = 1.0
+
+
+@dataclass
+class Completions:
+    """One rollout as reward functions see it (TRL's keywords: prompts, completions, completion_ids, trainer_state)."""
+    prompts: list  # the raw prompt of each response: a string, or a list of messages
+    texts: list[str]  # each response decoded up to, not including, its stop token
+    ids: list[list[int]]  # each response's generated tokens through its stop token (TRL's completion_ids)
+    columns: dict[str, list]  # the data's other columns, one value per response
+    trainer_state: object = None  # transformers.TrainerState with global_step (TRL passes the trainer's own)
+
+    def conversational(self) -> list:
+        """TRL's rule: a chat prompt (a list of messages) gets its completion as [{"role": "assistant", ...}]."""
+        return [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                for prompt, text in zip(self.prompts, self.texts)]
+
+
+def load_reward_functions(specs: list[str], weights: list[float] | None = None) -> list[RewardFunction]:
+    weights = list(weights) if weights else [1.0] * len(specs)
+    return [RewardFunction(spec, load_reward_function(spec), float(w)) for spec, w in zip(specs, weights)]
+
+
+def call_reward_function(function: Callable, prompts: list, responses: list[str], columns: dict[str, list],
+                         completions: Completions | None = None) -> list[float | None]:
     """`function(prompts, responses, **columns)`: positionally, or by name when it names its parameters as TRL's
-    do (`def f(completions, **kwargs)`, `def f(prompts, completions, answer)`): `prompts`, `completions` or
-    `responses`, and the data columns it takes (all of them through **kwargs)."""
+    do (`def f(completions, **kwargs)`, `def f(prompts, completions, answer)`): `prompts`, `completions` (TRL's
+    rule: conversational for chat prompts) or `responses` (text), `completion_ids` and `trainer_state`, and the
+    data columns it takes (all of them through **kwargs). None (or NaN) scores a response as missing."""
     parameters = inspect.signature(function).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     passed = {k: v for k, v in columns.items()
-              if (takes_all or k in parameters) and k not in ("prompts", *RESPONSE_NAMES)}
+              if (takes_all or k in parameters) and k not in ("prompts", *RESPONSE_NAMES, *TRL_KEYWORDS)}
     named = [n for n in RESPONSE_NAMES if n in parameters]
     positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if named or (takes_all and not positional):  # `def f(**kwargs)`: TRL's keywords
-        texts = {n: responses for n in (named or ["completions"])}
+    trl_names = [n for n in TRL_KEYWORDS if n in parameters]
+    if named or trl_names or (takes_all and not positional):  # `def f(**kwargs)`: TRL's keywords
+        trl = "completions" in named or not named
+        texts = {n: completions.conversational() if n == "completions" and completions else responses
+                 for n in (named or (["completions"] if takes_all or "completions" in parameters else []))}
         prompt = {"prompts": prompts} if takes_all or "prompts" in parameters else {}
-        scores = function(**prompt, **texts, **passed)
+        extra = {}
+        if trl and completions is not None:
+            given = {"completion_ids": completions.ids, "trainer_state": completions.trainer_state}
+            extra = {k: v for k, v in given.items() if takes_all or k in parameters}
+        scores = function(**prompt, **texts, **extra, **passed)
     else:
         scores = function(prompts, responses, **passed)
     return checked_scores(scores, len(responses), getattr(function, "__qualname__", repr(function)))
 
 
-def checked_scores(scores, count: int, name: str) -> list[float]:
-    """A list, tuple, array or tensor of `count` finite numbers -> floats; anything else names the function."""
+def combined_scores(functions: list[RewardFunction], completions: Completions) -> tuple[list[float], dict]:
+    """Σ_f weight_f · score_f per response, a function's missing scores (None) skipped as TRL does; (scores, the
+    mean of each function's scores over the responses it scored, keyed by its name)."""
+    totals = [0.0] * len(completions.texts)
+    means = {}
+    for reward in functions:
+        scores = call_reward_function(reward.function, completions.prompts, completions.texts, completions.columns,
+                                      completions)
+        present = [s for s in scores if s is not None]
+        if not present:
+            raise ValueError(f"reward function {reward.name} scored none of the {len(scores)} responses (every score "
+                             "None or NaN): return a number for the responses it applies to")
+        means[reward.name] = sum(present) / len(present)
+        totals = [t + reward.weight * s if s is not None else t for t, s in zip(totals, scores)]
+    return totals, means
+
+
+def checked_scores(scores, count: int, name: str) -> list[float | None]:
+    """A list, tuple, array or tensor of `count` numbers -> floats, None (or NaN) for a response the function does
+    not score; anything else (a string, an infinity, a wrong count) names the function."""
     if isinstance(scores, torch.Tensor):
         scores = scores.detach().float().cpu().reshape(-1).tolist()
     scores = list(scores)
@@ -75,14 +130,17 @@ def checked_scores(scores, count: int, name: str) -> list[float]:
         raise ValueError(f"reward function {name} returned {len(scores)} scores for {count} responses")
     values = []
     for score in scores:
+        if score is None:
+            values.append(None)
+            continue
         try:
-            value = None if isinstance(score, (str, bytes)) or score is None else float(score)  # a bool counts
+            value = None if isinstance(score, (str, bytes)) else float(score)  # a bool counts
         except (TypeError, ValueError):
             value = None
-        if value is None or not math.isfinite(value):
-            raise ValueError(f"reward function {name} returned non-finite or non-numeric scores, e.g. {score!r}: "
-                             f"return one finite number per response")
-        values.append(value)
+        if value is None or math.isinf(value):
+            raise ValueError(f"reward function {name} returned infinite or non-numeric scores, e.g. {score!r}: "
+                             f"return one number (or None to skip) per response")
+        values.append(None if math.isnan(value) else value)
     return values
 
 

@@ -10,6 +10,8 @@ left-padded prompt is seen exactly as the unpadded one.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +21,8 @@ from transformers import GenerationConfig
 
 from llmtrain.data.prompts import PromptBatch
 from llmtrain.parallel import all_reduce_max
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,33 @@ def generation_config(settings: SamplingSettings, pad_token_id: int, eos_ids: li
         pad_token_id=pad_token_id, eos_token_id=eos_ids, use_cache=settings.use_cache)
 
 
+def checkpoint_overrides(config: GenerationConfig | None) -> dict:
+    """The sampling fields a checkpoint's generation config sets away from transformers' defaults
+    (repetition_penalty, min_p, no_repeat_ngram_size, top_k/top_p, ...): what the neutral config overrides."""
+    if config is None:
+        return {}
+    defaults = GenerationConfig().to_dict()
+    ignored = {"eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+               "_from_model_config"}
+    return {k: v for k, v in config.to_diff_dict().items() if k not in ignored and defaults.get(k, v) != v}
+
+
+@contextlib.contextmanager
+def neutral_generation_config(model: torch.nn.Module):
+    """transformers fills every field our GenerationConfig leaves unset from the model's own generation_config
+    (a checkpoint's sampling defaults). Inside this context every module's generation_config is transformers'
+    default, so the samples come from softmax(logits / T) with the run's top-k/top-p only: what the loss scores."""
+    saved = [(m, m.generation_config) for m in model.modules()
+             if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+    for module, _ in saved:
+        module.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        for module, config in saved:
+            module.generation_config = config
+
+
 def _repeat(values: list, n: int) -> list:
     return [value for value in values for _ in range(n)]
 
@@ -98,7 +129,7 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
     with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
         gather_s = time.perf_counter() - start
         torch.manual_seed(seed)
-        with actor.autocast():
+        with actor.autocast(), neutral_generation_config(model):
             out = model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
                                  generation_config=generation_config(settings, pad_token_id, eos_ids))
     responses = out[:, width:]  # (B, a): this rank's longest response sets a

@@ -38,7 +38,7 @@ from llmtrain.stages.ppo.experience import (
     update_layout,
     values_of,
 )
-from llmtrain.stages.ppo.rewards import ScoreShaping, call_reward_function, reward_model_scores
+from llmtrain.stages.ppo.rewards import Completions, RewardFunction, ScoreShaping, combined_scores, reward_model_scores
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
 
 POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss")
@@ -65,14 +65,14 @@ class PPOStage(Stage):
     def __init__(self, roles: dict[str, RoleSpec], tokenizer, *, sampling: SamplingSettings,
                  eval_sampling: SamplingSettings,
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
-                 reward_function=None, prompts_per_step: int, seed: int, attention: str = "sdpa"):
+                 reward_functions: list[RewardFunction] | None = None, prompts_per_step: int, seed: int,
+                 stop_ids: list[int], attention: str = "sdpa"):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
-        self.kl_controller, self.shaping, self.reward_function = kl_controller, shaping, reward_function
+        self.kl_controller, self.shaping, self.reward_functions = kl_controller, shaping, reward_functions or []
         self.prompts_per_step, self.seed, self.rollout_attention = prompts_per_step, seed, attention
         self.collate = partial(collate_prompts, pad_token_id=tokenizer.pad_token_id)
-        eos = tokenizer.eos_token_id
-        self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.eos_ids = list(stop_ids)  # every token a reply ends with (models/stop_tokens.py): eos, end of turn
         self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
 
     # ---- data layout -----------------------------------------------------------------------------
@@ -89,14 +89,21 @@ class PPOStage(Stage):
 
     # ---- scores ----------------------------------------------------------------------------------
     def raw_scores(self, rollout: Rollout, engines: dict) -> torch.Tensor:
-        if self.reward_function is not None:
-            responses = decode_responses(self.tokenizer, rollout, self.eos_ids)
-            scores = call_reward_function(self.reward_function, rollout.prompts, responses, rollout.columns)
+        if self.reward_functions:
+            scores, _ = combined_scores(self.reward_functions, self.completions(rollout))
             return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
         rows = rollout.sequences.shape[0]
         size = self.experience.micro_batch_size
         return torch.cat([reward_model_scores(engines["reward"], rollout, slice(i, min(i + size, rows)))
                           for i in range(0, rows, size)])
+
+    def completions(self, rollout: Rollout) -> Completions:
+        from transformers import TrainerState
+
+        responses, mask = rollout.responses.cpu(), rollout.action_mask.cpu()
+        return Completions(prompts=rollout.prompts, texts=decode_responses(self.tokenizer, rollout, self.eos_ids),
+                           ids=[row[m].tolist() for row, m in zip(responses, mask)], columns=rollout.columns,
+                           trainer_state=TrainerState(global_step=self.iteration))
 
     # ---- one iteration ---------------------------------------------------------------------------
     def train_step(self, micro_batches: list[PromptBatch], engines: dict, updater: Updater) -> dict:
