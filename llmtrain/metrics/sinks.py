@@ -169,7 +169,7 @@ class WandbSink:
         self.sent_up_to = saved.get("last_step", -1)  # the previous process's last step: replays stop here
         self.last_step = self.sent_up_to
         self.run = wandb.init(project=project, name=name, dir=str(directory), mode=mode, entity=entity,
-                              tags=tags or None, config=redact(config), id=saved.get("id"), resume="allow",
+                              tags=redact(tags) or None, config=redact(config), id=saved.get("id"), resume="allow",
                               # W&B's own metadata holds the command line (a secret may be in it): ours is the config
                               settings=wandb.Settings(x_disable_meta=True, disable_code=True, disable_git=True))
         self.run_id_ = self.run.id
