@@ -60,9 +60,10 @@ def checkpoint_eos_ids(model_dir: str | None) -> list[int]:
 
 
 def derive_stop_tokens(tokenizer, model_dir: str | None, chat: bool) -> StopTokens:
-    found: dict[int, str] = {}
-    for name, ids in (("eos", _as_list(tokenizer.eos_token_id)), ("generation_config", checkpoint_eos_ids(model_dir)),
-                      ("end of turn", _as_list(end_of_turn_id(tokenizer) if chat else None))):
+    found: dict[int, str] = {}  # the end of turn before the checkpoint's list, which often names it too
+    for name, ids in (("eos", _as_list(tokenizer.eos_token_id)),
+                      ("end of turn", _as_list(end_of_turn_id(tokenizer) if chat else None)),
+                      ("generation_config", checkpoint_eos_ids(model_dir))):
         for i in ids:
             found.setdefault(i, name)
     if not found:

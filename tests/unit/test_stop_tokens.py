@@ -36,7 +36,7 @@ def test_chat_data_adds_the_templates_end_of_turn(tokenizer):
 def test_the_checkpoints_generation_config_adds_its_eos_list(tokenizer, tmp_path):
     GenerationConfig(eos_token_id=[257, 260], temperature=0.6, do_sample=True).save_pretrained(tmp_path)
     stop = derive_stop_tokens(tokenizer, str(tmp_path), chat=True)
-    assert stop.ids == (257, 260, 262) and stop.names == ("eos", "generation_config", "end of turn")
+    assert stop.ids == (257, 262, 260) and stop.names == ("eos", "end of turn", "generation_config")
 
 
 def test_a_template_without_a_special_end_of_turn_has_none(tokenizer):

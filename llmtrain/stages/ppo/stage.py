@@ -214,7 +214,9 @@ class PPOStage(Stage):
         if u.kl_loss_coef > 0:
             loss = loss + u.kl_loss_coef * kl_loss.sum()
         if first_dev is not None:
-            deviation = ((logps.detach() - mb.old_logps).abs() * mask).max().item() if mask.any() else 0.0
+            # against the old log-probs the ratio uses: on-policy (old_logps_from_update) the experience never
+            # filled mb.old_logps (zeros), and the ratio is 1 by construction
+            deviation = ((logps.detach() - old).abs() * mask).max().item() if mask.any() else 0.0
             first_dev[0] = max(first_dev[0], deviation)
         stats = torch.stack([terms.clipped.float().sum(), terms.approx_kl.sum(), entropy.detach().sum(),
                              kl_loss.detach().sum()])
