@@ -19,7 +19,7 @@ from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
-from llmtrain.models.load import load_tokenizer, resolve_attn_implementation
+from llmtrain.models.load import attention_for_family, load_tokenizer, model_config, resolve_attn_implementation
 from llmtrain.models.lora import LoraSettings
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
@@ -27,7 +27,7 @@ from llmtrain.plan_fit import run_fit_problems
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages.base import trainable_roles
-from llmtrain.stages.registry import build_stage, load_stage_data, stage_spec
+from llmtrain.stages.registry import build_stage, load_stage_data, stage_roles, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
 from llmtrain.validation import validate
 
@@ -96,8 +96,11 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         log.info("plan:\n%s", plan.text)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
     attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
+    configs = [model_config(r.source.name_or_path, r.source.from_config, r.source.config_path,
+                            r.source.trust_remote_code, vocab_size=len(tokenizer)) for r in stage_roles(cfg).values()]
+    attn = attention_for_family(attn, m.attn_implementation, configs)  # what each role's class supports (Gemma-2)
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
-    attn = stage.attention(attn)  # PPO: left-padded prompts need a mask-reading attention
+    attn = attention_for_family(stage.attention(attn), m.attn_implementation, configs)  # PPO: left padding, a mask
     data = load_stage_data(cfg, tokenizer)
     if ctx.is_main:
         log.info("train data: %s", data.train_stats.summary())

@@ -34,6 +34,7 @@ class Batch:
     seq_lens: tuple[tuple[int, ...], ...] | None = None  # packed rows: each row's sample lengths
     num_targets: int = 0  # tokens that carry a loss after the one-token shift, counted on the host
     attention_kwargs: dict = field(default_factory=dict)  # extra model keyword arguments for the attention
+    row_lengths: tuple[int, ...] = ()  # real (non-padding) tokens per row, on the host: what MoE routers count
 
     @property
     def is_packed(self) -> bool:
@@ -69,6 +70,11 @@ class Batch:
             return replace(self, attention_mask=None, attention_kwargs=self._varlen_kwargs())
         mask = block_causal_mask(self.seq_lens, self.width, mask_dtype, self.input_ids.device)
         return replace(self, attention_mask=mask)
+
+    def token_mask(self) -> torch.Tensor:
+        """(B, T) float: 1 on real tokens, 0 on padding (whatever the attention's mask); the MoE router loss's mask."""
+        lengths = torch.tensor(self.row_lengths, device=self.input_ids.device)  # (B,)
+        return (torch.arange(self.width, device=self.input_ids.device)[None, :] < lengths[:, None]).float()
 
     def model_inputs(self) -> dict:
         """Keyword arguments for `model(**...)`; labels stay out (the loss is `lm_loss_sum`)."""
@@ -109,7 +115,7 @@ def collate(examples: list[dict], pad_token_id: int, pad_to_multiple_of: int | N
     num_targets = int(count_target_tokens(labels))
     if not any("position_ids" in example for example in examples):
         attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()  # (B, T)
-        return Batch(input_ids, labels, attention_mask, num_targets=num_targets)
+        return Batch(input_ids, labels, attention_mask, num_targets=num_targets, row_lengths=tuple(lengths))
     # An unpacked example in a packed batch is a pack of one sample.
     seq_lens = tuple(tuple(example["seq_lens"]) if "position_ids" in example else (length,)
                      for example, length in zip(examples, lengths))
@@ -117,7 +123,7 @@ def collate(examples: list[dict], pad_token_id: int, pad_to_multiple_of: int | N
         [example.get("position_ids", range(length)) for example, length in zip(examples, lengths)],
         width, 0,
     )  # (B, T)
-    return Batch(input_ids, labels, None, position_ids, seq_lens, num_targets)
+    return Batch(input_ids, labels, None, position_ids, seq_lens, num_targets, row_lengths=tuple(lengths))
 
 
 def block_causal_mask(seq_lens, width: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

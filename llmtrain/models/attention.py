@@ -27,19 +27,32 @@ def segment_causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch
                         **kwargs) -> tuple[torch.Tensor, None]:
     """query (B, H, T, D), key/value (B, KV, T, D) -> (B, T, H, D), causal within each segment."""
     kwargs.pop("is_causal", None)
+    window = kwargs.pop("sliding_window", None)  # sliding layers (Mistral, Qwen2/3, Gemma-3) pass theirs
     if segment_lengths is None:
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+        mask = window_mask(query.shape[2], window, query.device)
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=mask is None, **kwargs)
     rows = []
     for b, lengths in enumerate(segment_lengths):
         parts, start = [], 0
         for length in lengths:
             end = start + length
+            mask = window_mask(length, window, query.device)
             part, _ = sdpa_attention_forward(module, query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
-                                             value[b:b + 1, :, start:end], None, is_causal=True, **kwargs)
+                                             value[b:b + 1, :, start:end], mask, is_causal=mask is None, **kwargs)
             parts.append(part)  # (1, length, H, D)
             start = end
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0), None
+
+
+def window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """(1, 1, L, L) bool, True where query i sees key j: i - window < j <= i (transformers' sliding window); None
+    where the plain causal kernel is the same (no window, or a sequence no longer than it)."""
+    if window is None or length <= window:
+        return None
+    positions = torch.arange(length, device=device)
+    offset = positions[:, None] - positions[None, :]  # (L, L): i - j
+    return ((offset >= 0) & (offset < window))[None, None]
 
 
 def _no_dense_mask(*args, **kwargs) -> None:

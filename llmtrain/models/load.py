@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from llmtrain.config import ConfigError
@@ -56,18 +57,46 @@ def use_distinct_pad_token(tokenizer) -> None:
 
 
 def model_config(name_or_path: str | None, from_config: dict | None, config_path: str | None,
-                 trust_remote_code: bool, vocab_size: int | None = None) -> PretrainedConfig:
-    """The architecture config alone (no weights): what validation and dry runs read."""
+                 trust_remote_code: bool, vocab_size: int | None = None,
+                 pad_token_id: int | None = None) -> PretrainedConfig:
+    """The architecture config alone (no weights): what validation, dry runs and the planner read.
+    `pad_token_id`: the tokenizer's, for a config drawn up from sizes whose family default lies outside the
+    vocabulary (check_pad_token_id)."""
     if from_config is not None:
-        fields = dict(from_config)
+        # plain containers all the way down: a nested field (Llama-3's rope_parameters) as an OmegaConf node fails
+        # transformers' config type checks
+        fields = {key: OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig))
+                  else value for key, value in from_config.items()}
         model_type = fields.pop("model_type")
         check_from_config_fields(model_type, fields)
         if vocab_size is not None:
             fields.setdefault("vocab_size", vocab_size)
-        return AutoConfig.for_model(model_type, **fields)
-    if config_path is not None and not Path(name_or_path).is_dir():
-        return AutoConfig.from_pretrained(config_path)
-    return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.for_model(model_type, **fields)
+        check_pad_token_id(config, None if "pad_token_id" in fields else pad_token_id,
+                           "model.from_config.pad_token_id" if "pad_token_id" in fields else None)
+        return config
+    source = config_path if config_path is not None and not Path(name_or_path).is_dir() else name_or_path
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    check_pad_token_id(config, None, f"{source}: its config.json")
+    return config
+
+
+def check_pad_token_id(config: PretrainedConfig, tokenizer_pad: int | None, given_in: str | None) -> None:
+    """A pad_token_id must index the embedding (nn.Embedding's padding_idx), checked before any model is built.
+    One the user gave (`given_in`: from_config or a checkpoint's config.json) outside the vocabulary is an error that
+    names the field and the fix. A family default (Phi-3's 32000 in a config drawn up from sizes) becomes the
+    tokenizer's pad id when it is inside the vocabulary, else None, and the log says so when the model is built."""
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if pad is None or not isinstance(vocab, int) or 0 <= pad < vocab:
+        return
+    if given_in is not None:
+        raise ConfigError(f"{given_in}: pad_token_id={pad} lies outside vocab_size={vocab} (nn.Embedding's "
+                          "padding_idx must index the embedding): set it to the tokenizer's pad id or null")
+    new = tokenizer_pad if tokenizer_pad is not None and 0 <= tokenizer_pad < vocab else None
+    if tokenizer_pad is not None:  # building the model (not the planner's meta copy): say it once per role
+        log.info("%s config: its default pad_token_id=%s lies outside vocab_size=%d: set to %s (the tokenizer's "
+                 "pad id)", config.model_type, pad, vocab, new)
+    config.pad_token_id = new
 
 
 def _tiny_model_types() -> set[str]:
@@ -139,6 +168,45 @@ def resolve_attn_implementation(requested: str, device: torch.device, precision:
     return SEGMENT_ATTENTION
 
 
+# what transformers' model class must declare for each attention llmtrain can run it with: transformers checks a
+# name containing "sdpa" (ours too) against _supports_sdpa, and so on; a registered function of another name
+# (flex_segments) runs in every class whose attention goes through ALL_ATTENTION_FUNCTIONS
+_SUPPORT_FLAG = {SEGMENT_ATTENTION: "_supports_sdpa", "sdpa": "_supports_sdpa",
+                 FLEX_ATTENTION: "_supports_attention_backend", "flex_attention": "_supports_flex_attn",
+                 "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+
+
+def causal_lm_class(config: PretrainedConfig):
+    """The transformers causal-LM class of a config, from the auto mapping (a class: no weights, no instance);
+    None for remote code or a config without a causal LM."""
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def attention_for_family(attn: str, requested: str, configs: list[PretrainedConfig]) -> str:
+    """The run's attention, checked against what each role's model class supports, before any weights load.
+
+    transformers declares per class what it runs (`_supports_sdpa`, `_supports_flex_attn`, `_supports_flash_attn`);
+    Gemma-2 has no sdpa (sdpa cannot apply its attention-logit softcapping). With `auto`, a family that lacks the
+    chosen attention runs eager attention (packed rows then get the dense block mask: data/collate.py); an explicit
+    choice it lacks is an error that says what it supports."""
+    for config in configs:
+        cls = causal_lm_class(config)
+        flag = _SUPPORT_FLAG.get(attn)
+        if cls is None or flag is None or getattr(cls, flag, True):
+            continue
+        supported = ["eager"] + sorted({name for name, f in _SUPPORT_FLAG.items() if getattr(cls, f, False)})
+        if requested != "auto":
+            raise ConfigError(f"model.attn_implementation={requested}: {cls.__name__} ({config.model_type}) does not "
+                              f"support it in transformers; use one of: auto, {', '.join(supported)}")
+        log.info("attention: %s has no %s in transformers (%s): eager attention%s", cls.__name__, attn, flag,
+                 "; packed rows get a dense (B, 1, T, T) block mask" if attn == SEGMENT_ATTENTION else "")
+        attn = "eager"
+    return attn
+
+
 def set_dropout(config: PretrainedConfig, dropout: float) -> None:
     for name in DROPOUT_FIELDS:
         if hasattr(config, name):
@@ -171,7 +239,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     so the architecture comes from the checkpoint's config; the backend fills the weights in later.
     `lora`: peft's adapters on top (base frozen), added here so that they too are built inside the backend's
     model_init_context (models/lora.py)."""
-    config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer))
+    config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer),
+                          pad_token_id=tokenizer.pad_token_id)
     set_dropout(config, dropout)
     config.use_cache = False
     if head == "scalar":

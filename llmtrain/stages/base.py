@@ -86,13 +86,14 @@ class Stage(Protocol):
         return {}
 
 
-# A micro-batch's summed loss (0-d, with grad) and the sums of its statistics ((K,), detached).
-MicroLoss = Callable[[torch.nn.Module, object], tuple[torch.Tensor, torch.Tensor]]
+# A micro-batch's summed loss (0-d, with grad) and the sums of its statistics ((K,), detached); optionally a third,
+# a term averaged over the step's micro-batches and ranks (0-d, with grad: the MoE routers' coef × aux loss).
+MicroLoss = Callable[[torch.nn.Module, object], tuple[torch.Tensor, ...]]
 
 
 @dataclass
 class StepResult:
-    loss: float  # the global mean: Σ loss over every micro-batch of every rank / the global count
+    loss: float  # the global mean: Σ loss over every micro-batch of every rank / the global count (+ the mean term)
     grad_norm: float  # before clipping
     lr: float  # the lr this step used
     count: int  # the global count the loss is normalised by (target tokens, pairs, ...)
@@ -120,17 +121,22 @@ class Updater:
         global_count = int(all_reduce_sum(torch.tensor([float(local_count)], dtype=torch.float64,
                                                        device=self.device), engine.dp_group).item())
         inverse = 1.0 / max(global_count, 1)  # nothing to learn from: loss 0, gradient 0, never NaN
-        totals = torch.zeros(1 + num_stats, device=self.device)  # loss sum, then the statistics' sums
+        # A mean term (MoE aux loss, computed per forward as transformers does) is averaged over every micro-batch of
+        # every rank: each weighs 1 / (micro-batches × dp) (backends sum gradients over ranks, as for the loss sum).
+        share = 1.0 / (len(micro_batches) * engine.dp_size)
+        totals = torch.zeros(2 + num_stats, device=self.device)  # loss sum, mean-term sum, the statistics' sums
         for i, batch in enumerate(micro_batches):
             with engine.no_sync(is_last_micro_batch=i == len(micro_batches) - 1):
                 with engine.autocast():
-                    loss_sum, stats = micro_loss(engine.module, batch)
-                engine.backward(loss_sum * inverse)
-            totals += torch.cat([loss_sum.detach().float().reshape(1), stats.detach().float().reshape(-1)])
+                    loss_sum, stats, *mean_term = micro_loss(engine.module, batch)
+                term = mean_term[0] if mean_term else loss_sum.new_zeros(())
+                engine.backward(loss_sum * inverse + term * share)
+            totals += torch.cat([loss_sum.detach().float().reshape(1), term.detach().float().reshape(1),
+                                 stats.detach().float().reshape(-1)])
         totals = all_reduce_sum(totals, engine.dp_group)
         lr = engine.current_lr()  # this step's lr: read before clip_or_fused_step (DeepSpeed updates there)
         values = to_host(*totals, engine.clip_or_fused_step())  # one device sync for all of them
-        loss, sums, grad_norm = values[0] * inverse, values[1:-1], values[-1]
+        loss, sums, grad_norm = values[0] * inverse + values[1] * share, values[2:-1], values[-1]
         applied = math.isfinite(loss) and (math.isfinite(grad_norm) or engine.skips_nonfinite_grads)
         if applied:
             engine.step()

@@ -13,6 +13,7 @@ import torch
 
 from llmtrain.data.collate import Batch, collate
 from llmtrain.losses.lm import count_target_tokens, lm_correct_count, lm_loss_sum
+from llmtrain.models.moe import ROUTER_STATS, router_forward, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.spec import SFT_FORMATS, StageSpec
 
@@ -26,15 +27,23 @@ class CausalLMStage(Stage):
         self.collate = partial(collate, pad_token_id=pad_token_id)
 
     @staticmethod
-    def micro_batch_loss(module: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed loss over the micro-batch's target tokens (the updater normalises it); no statistics."""
-        logits = module(**batch.model_inputs()).logits  # (B, T, V)
-        return lm_loss_sum(logits, batch.labels), torch.zeros(0, device=logits.device)
+    def micro_batch_loss(module: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """Summed loss over the micro-batch's target tokens (the updater normalises it); no statistics. An MoE model
+        adds its routers' coef × aux loss as the mean term, and (aux, busiest expert's load) as statistics."""
+        out, aux_term, router_stats = router_forward(module, batch)
+        loss_sum = lm_loss_sum(out.logits, batch.labels)  # logits (B, T, V)
+        if aux_term is None:
+            return loss_sum, torch.zeros(0, device=loss_sum.device)
+        return loss_sum, router_stats, aux_term
 
     def train_step(self, micro_batches: list[Batch], engines: dict, updater: Updater) -> dict:
         targets = sum(b.num_targets for b in micro_batches)  # counted on the host: no device sync
-        result = updater.update(engines["policy"], micro_batches, self.micro_batch_loss, targets)
-        return {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens": result.count}
+        engine = engines["policy"]
+        moe = router_of(engine.module) is not None
+        result = updater.update(engine, micro_batches, self.micro_batch_loss, targets,
+                                num_stats=len(ROUTER_STATS) if moe else 0)
+        metrics = {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens": result.count}
+        return metrics | (router_metrics(result.sums, len(micro_batches), engine.dp_size) if moe else {})
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:

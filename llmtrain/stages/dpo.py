@@ -24,8 +24,17 @@ from llmtrain.losses.dpo import (
     dpo_stat_sums,
     packed_sequence_logps,
 )
+from llmtrain.models.moe import ROUTER_STATS, router_forward, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
+from llmtrain.stages.preference import (
+    PAIR_DATA_HINT,
+    PairBatch,
+    collate_pairs,
+    padding_free_for,
+    pair_problems,
+    reward_eval_metrics,
+    reward_eval_sums,
+)
 from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
 
 
@@ -50,7 +59,10 @@ class DPOStage(Stage):
 
     def logps(self, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen (P,), rejected (P,)) response log-probs (summed, or averaged for ipo), fp32."""
-        logits = forward(**batch.rows.model_inputs()).logits  # (R, T, V): 1 packed row or 2P padded rows
+        return self.logps_of(forward(**batch.rows.model_inputs()).logits, batch)
+
+    def logps_of(self, logits: torch.Tensor, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (R, T, V): 1 packed row or 2P padded rows -> (chosen (P,), rejected (P,))."""
         return batch.split(packed_sequence_logps(logits, batch.rows.labels, batch.sequence_ids, batch.num_sequences,
                                                  average=self.average))
 
@@ -70,13 +82,22 @@ class DPOStage(Stage):
             # The reference first: with LoRA it is the policy's own model (adapters off), so its no-grad forward
             # does not fall between the policy's forward and backward.
             reference_logps = self.reference_logps(reference, batch)
-            policy = self.logps(module, batch)
+            out, aux_term, router_stats = router_forward(module, batch.rows)  # MoE: + coef × router aux loss
+            policy = self.logps_of(out.logits, batch)
             terms = self.terms(policy, reference_logps)
-            return terms.losses.sum(), dpo_stat_sums(terms, *policy)
+            stats = dpo_stat_sums(terms, *policy)
+            if aux_term is None:
+                return terms.losses.sum(), stats
+            return terms.losses.sum(), torch.cat([stats, router_stats]), aux_term
 
         pairs = sum(b.num_pairs for b in micro_batches)
-        result = updater.update(engines["policy"], micro_batches, micro_loss, pairs, num_stats=len(DPO_STATS))
+        engine = engines["policy"]
+        moe = router_of(engine.module) is not None
+        result = updater.update(engine, micro_batches, micro_loss, pairs,
+                                num_stats=len(DPO_STATS) + (len(ROUTER_STATS) if moe else 0))
         metrics = dpo_metrics(dict(zip(DPO_STATS, result.sums)), max(result.count, 1))
+        if moe:
+            metrics |= router_metrics(result.sums[len(DPO_STATS):], len(micro_batches), engine.dp_size)
         return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
 
     @torch.no_grad()
@@ -87,14 +108,8 @@ class DPOStage(Stage):
         for batch in batches:
             with policy.autocast():
                 terms = self.terms(self.logps(policy.module, batch), self.reference_logps(reference, batch))
-            w = batch.weight.double()
-            margin = (terms.chosen_rewards - terms.rejected_rewards).double()
-            sums += torch.stack([(terms.losses.double() * w).sum(), ((margin > 0).double() * w).sum(),
-                                 (margin * w).sum(), w.sum()])
-        loss, correct, margin, pairs = reduce_sums(list(sums), policy)
-        pairs = max(pairs, 1)
-        return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs,
-                "eval_reward_margin": margin / pairs, "eval_pairs": int(pairs)}
+            sums += reward_eval_sums(terms, batch)
+        return reward_eval_metrics(reduce_sums(list(sums), policy))
 
 
 def dpo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:

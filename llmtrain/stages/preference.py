@@ -93,6 +93,23 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return width - 1 - attention_mask.flip(-1).long().argmax(-1)
 
 
+def reward_eval_sums(terms, batch: PairBatch) -> torch.Tensor:
+    """(4,) fp64 sums over the real pairs of a batch of implicit-reward terms (losses, chosen_rewards,
+    rejected_rewards (P,)): loss, correct (chosen reward above rejected), margin, pairs."""
+    w = batch.weight.double()  # (P,) 0 for a filler pair
+    margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
+    return torch.stack([(terms.losses.double() * w).sum(), ((margin > 0).double() * w).sum(), (margin * w).sum(),
+                        w.sum()])
+
+
+def reward_eval_metrics(sums: list[float]) -> dict:
+    """`reward_eval_sums` summed over batches and ranks -> the eval record of an implicit-reward stage."""
+    loss, correct, margin, pairs = sums
+    pairs = max(pairs, 1)
+    return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs, "eval_reward_margin": margin / pairs,
+            "eval_pairs": int(pairs)}
+
+
 def pair_problems(cfg, stage: str) -> list[str]:
     """What every pairwise stage needs from the data and the model."""
     problems = []

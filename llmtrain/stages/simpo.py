@@ -17,7 +17,15 @@ from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums, packed_se
 from llmtrain.losses.reference_free import SimPOTerms, simpo_terms
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
-from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
+from llmtrain.stages.preference import (
+    PAIR_DATA_HINT,
+    PairBatch,
+    collate_pairs,
+    padding_free_for,
+    pair_problems,
+    reward_eval_metrics,
+    reward_eval_sums,
+)
 from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
 
 
@@ -65,15 +73,8 @@ class SimPOStage(Stage):
         sums = torch.zeros(4, dtype=torch.float64, device=policy.ctx.device)  # loss, correct, margin, pairs
         for batch in batches:
             with policy.autocast():
-                terms = self.terms(self.logps(policy.module, batch))
-            w = batch.weight.double()  # (P,) 0 for a filler pair
-            margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
-            sums += torch.stack([(terms.losses.double() * w).sum(), ((margin > 0).double() * w).sum(),
-                                 (margin * w).sum(), w.sum()])
-        loss, correct, margin, pairs = reduce_sums(list(sums), policy)
-        pairs = max(pairs, 1)
-        return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs,
-                "eval_reward_margin": margin / pairs, "eval_pairs": int(pairs)}
+                sums += reward_eval_sums(self.terms(self.logps(policy.module, batch)), batch)
+        return reward_eval_metrics(reduce_sums(list(sums), policy))
 
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> SimPOStage:

@@ -112,3 +112,62 @@ def assert_live_cost_matches_the_plan():
     """`assert_live_cost_matches_the_plan(run_dir, ranks=2, states=True) -> errors`: the live cost of a run the
     backend tests make anyway, against the plan in the same records."""
     return _assert_live_cost_matches_the_plan
+
+
+# ---- the model families (tests/dist/test_families.py) ------------------------------------------------------------
+
+TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512}
+# model_type -> the from_config fields beyond TINY_SIZES that make the family's shape (vocab: the tokenizer's 263)
+FAMILIES = {
+    "llama": {"tie_word_embeddings": False,  # Llama-3: untied, llama3 rope scaling
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "qwen2": {"tie_word_embeddings": True},  # q/k/v biases are the family's own
+    "qwen3": {"head_dim": 16},  # q/k norms are the family's own
+    "mistral": {"sliding_window": 16},  # shorter than most packed samples: the window is exercised
+    "gemma2": {"head_dim": 16},  # no sdpa in transformers: eager; logit softcapping (attention, final)
+    "gemma3_text": {"head_dim": 16, "sliding_window": 16},  # both layers sliding (every 6th is global)
+    "phi3": {},  # its default pad_token_id 32000 lies outside the vocabulary: set from the tokenizer
+    "gpt2": None,  # its own field names
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+}
+GPT2_SIZES = {"n_embd": 64, "n_inner": 128, "n_layer": 2, "n_head": 4, "n_positions": 512}
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+PARITY_FAMILIES = ("gemma2", "qwen3", *MOE_FAMILIES)  # eager attention, qk-norm, the router aux loss
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes `family` runs once per FAMILIES entry, one that takes `parity_family` once per
+    PARITY_FAMILIES entry (tests import no conftest: the lists live here, once)."""
+    if "family" in metafunc.fixturenames:
+        metafunc.parametrize("family", list(FAMILIES))
+    if "parity_family" in metafunc.fixturenames:
+        metafunc.parametrize("parity_family", PARITY_FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def families():
+    """{"all": every FAMILIES model_type, "moe": MOE_FAMILIES, "parity": PARITY_FAMILIES}."""
+    return {"all": list(FAMILIES), "moe": MOE_FAMILIES, "parity": PARITY_FAMILIES}
+
+
+def _literal(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_literal(v)}" for k, v in value.items()) + "}"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _family_args(family: str) -> list[str]:
+    from tests.helpers import TOKENIZER_DIR
+
+    fields = {"model_type": family, **(GPT2_SIZES if FAMILIES[family] is None else {**TINY_SIZES, **FAMILIES[family]})}
+    return ["model.name_or_path=null", f"model.from_config={_literal(fields)}", f"model.tokenizer={TOKENIZER_DIR}"]
+
+
+@pytest.fixture(scope="session")
+def family_args():
+    """`family_args(model_type)`: the overrides that build a tiny random model of that family (FAMILIES) with the
+    shipped tokenizer, after any recipe (the dpo/grpo recipes' ${base:sft_tiny} is replaced)."""
+    return _family_args

@@ -189,6 +189,7 @@ def test_log1mexp_matches_trl():
 class OneProcessEngine:
     """What Updater and the stages call on an engine, for a plain model on one CPU process (no optimizer)."""
     dp_group = None
+    dp_size = 1
     skips_nonfinite_grads = False
 
     def __init__(self, model: torch.nn.Module):

@@ -1,0 +1,72 @@
+"""Mixture-of-experts routers (Mixtral, Qwen3-MoE, ...): the load-balancing loss is always part of training.
+
+transformers adds `router_aux_loss_coef × load_balancing_loss_func(router_logits, ..., attention_mask)` to its own
+loss only when the config says `output_router_logits` (most checkpoints say false) and only with its own labels;
+llmtrain computes the loss itself (`stages/*`), so it asks every training forward for the router logits and
+computes the same function here, per micro-batch, with a (B, T) mask of real tokens: padding excluded, and packed
+rows' padding tails too (the model's attention_mask is then None or 4-D, which transformers' function cannot use;
+routing is per token, so packing itself changes nothing else). The Updater averages the term over the step's
+micro-batches and ranks (stages/base.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+# the config fields that name the expert count, by family (Mixtral's, then Qwen-MoE's and most others')
+_EXPERT_FIELDS = ("num_local_experts", "num_experts")
+
+
+@dataclass(frozen=True)
+class Router:
+    num_experts: int
+    top_k: int
+    coef: float  # the config's router_aux_loss_coef
+
+
+def router_of(module: torch.nn.Module) -> Router | None:
+    """The router settings of a (wrapped: DDP, DeepSpeed, peft) MoE causal LM; None for a dense model."""
+    while not isinstance(getattr(module, "config", None), PretrainedConfig) and hasattr(module, "module"):
+        module = module.module  # DDP, DeepSpeed (whose own `config` is its json); peft forwards `config`
+    config = getattr(module, "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    experts = next((getattr(config, f) for f in _EXPERT_FIELDS if getattr(config, f, None)), None)
+    if coef is None or experts is None or not getattr(config, "num_experts_per_tok", None):
+        return None
+    return Router(int(experts), int(config.num_experts_per_tok), float(coef))
+
+
+def router_losses(router: Router, router_logits: tuple, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: per MoE layer (B·T, E); token_mask (B, T) -> (aux loss as transformers computes it (0-d, with
+    grad), the busiest expert's share of the routed tokens × E (0-d, detached: 1 = balanced, E = all on one))."""
+    aux = load_balancing_loss_func(router_logits, router.num_experts, router.top_k, token_mask)
+    with torch.no_grad():
+        weights = token_mask.reshape(-1, 1).float()  # (B·T, 1)
+        load = sum(torch.nn.functional.one_hot(layer.topk(router.top_k, dim=-1).indices, router.num_experts)
+                   .float().sum(1).mul(weights).sum(0) for layer in router_logits)  # (E,)
+        busiest = load.max() / load.sum().clamp(min=1) * router.num_experts
+    return aux, busiest
+
+
+def router_forward(module: torch.nn.Module, batch) -> tuple:
+    """`module(**batch.model_inputs())` (batch: data/collate.Batch) -> (outputs, mean term, statistics): for an MoE
+    model the term is coef × aux loss (0-d, with grad: the Updater's mean term) and the statistics (aux, busiest
+    expert's load) (2,), detached; for a dense model both are None."""
+    router = router_of(module)
+    if router is None:
+        return module(**batch.model_inputs()), None, None
+    out = module(**batch.model_inputs(), output_router_logits=True)
+    aux, busiest = router_losses(router, out.router_logits, batch.token_mask())
+    return out, router.coef * aux, torch.stack([aux.detach(), busiest])
+
+
+ROUTER_STATS = ("aux_loss", "expert_load_max")
+
+
+def router_metrics(sums: list[float], micro_batches: int, dp_size: int) -> dict[str, float]:
+    """The ROUTER_STATS sums over the step's micro-batches and ranks -> their means (logged as aux_loss, ...)."""
+    return {name: value / (micro_batches * dp_size) for name, value in zip(ROUTER_STATS, sums)}

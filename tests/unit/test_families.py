@@ -1,0 +1,152 @@
+"""What model families need before they load (models/load.py, models/attention.py, models/moe.py): the attention a
+family's transformers class supports, a pad id inside the vocabulary, sliding windows in sdpa_segments, and the MoE
+router loss as transformers computes it, with padding (and packed rows' padding tails) left out."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from llmtrain.config import ConfigError
+from llmtrain.data.collate import collate
+from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
+from llmtrain.models.load import attention_for_family, load_tokenizer, model_config
+from llmtrain.models.moe import router_forward, router_of
+from llmtrain.stages.base import Updater
+from tests.helpers import TOKENIZER_DIR
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=100)
+
+
+def config(model_type: str, **fields):
+    return AutoConfig.for_model(model_type, **{**TINY, **fields})
+
+
+def test_a_family_without_sdpa_runs_eager_and_an_explicit_choice_it_lacks_is_an_error():
+    assert attention_for_family(SEGMENT_ATTENTION, "auto", [config("gemma2")]) == "eager"
+    dense = [config("gemma3_text"), config("llama")]
+    assert attention_for_family(SEGMENT_ATTENTION, "auto", dense) == SEGMENT_ATTENTION
+    assert attention_for_family("sdpa", "auto", [config("llama"), config("gemma2")]) == "eager"
+    with pytest.raises(ConfigError, match=r"model.attn_implementation=sdpa: Gemma2ForCausalLM \(gemma2\) does not "
+                                          r"support it in transformers; use one of: auto, eager, flash_attention_2"):
+        attention_for_family("sdpa", "sdpa", [config("gemma2")])
+    assert attention_for_family("eager", "eager", [config("gemma2")]) == "eager"
+
+
+def test_a_default_pad_id_outside_the_vocabulary_becomes_the_tokenizers_and_a_given_one_is_an_error(tmp_path):
+    fields = {"model_type": "phi3", **{k: v for k, v in TINY.items() if k != "head_dim"}}
+    assert AutoConfig.for_model("phi3").pad_token_id == 32000
+    assert model_config(None, fields, None, False, pad_token_id=7).pad_token_id == 7
+    assert model_config(None, fields, None, False).pad_token_id is None  # the planner's copy: no tokenizer
+    with pytest.raises(ConfigError, match=r"model.from_config.pad_token_id: pad_token_id=500 lies outside "
+                                          r"vocab_size=100"):
+        model_config(None, {**fields, "pad_token_id": 500}, None, False)
+    checkpoint = tmp_path / "ckpt"
+    config("llama").save_pretrained(checkpoint)
+    data = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**data, "pad_token_id": 100}))
+    with pytest.raises(ConfigError, match=r"ckpt: its config.json: pad_token_id=100 lies outside vocab_size=100 .*"
+                                          r"set it to the tokenizer's pad id or null"):
+        model_config(str(checkpoint), None, None, False)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+def test_sdpa_segments_keeps_sliding_windows(model_type):
+    """Window 4 < the lengths: sdpa_segments (whole rows and packed samples) gives transformers' sdpa logits."""
+    register_segment_attention()
+    torch.manual_seed(0)
+    cfg = config(model_type, sliding_window=4)
+    reference = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_config(cfg, attn_implementation=SEGMENT_ATTENTION).eval()
+    ours.load_state_dict(reference.state_dict())
+    a, b = torch.randint(0, 100, (1, 12)), torch.randint(0, 100, (1, 7))
+    with torch.no_grad():
+        expected_a, expected_b = reference(input_ids=a).logits, reference(input_ids=b).logits
+        whole = ours(input_ids=a).logits
+        packed = ours(input_ids=torch.cat([a, b], 1), position_ids=torch.cat([torch.arange(12), torch.arange(7)])[None],
+                      segment_lengths=((12, 7),)).logits
+    torch.testing.assert_close(whole, expected_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[:, :12], expected_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[:, 12:], expected_b, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    register_segment_attention()
+    tokenizer = load_tokenizer(str(TOKENIZER_DIR), False)
+    torch.manual_seed(0)
+    cfg = config("mixtral", num_local_experts=4, num_experts_per_tok=2, vocab_size=len(tokenizer))
+    return tokenizer, AutoModelForCausalLM.from_config(cfg, attn_implementation=SEGMENT_ATTENTION)
+
+
+def test_router_loss_is_transformers_with_padding_and_packed_tails_left_out(moe):
+    tokenizer, model = moe
+    assert router_of(model).num_experts == 4 and router_of(model).top_k == 2 and router_of(model).coef == 0.001
+    assert router_of(torch.nn.Linear(2, 2)) is None
+    rows = [list(range(5, 17)), list(range(20, 27))]
+    examples = [{"input_ids": r, "labels": r} for r in rows]
+    padded = collate(examples, tokenizer.pad_token_id)  # (2, 12): row 2 has 5 padding positions
+    with torch.no_grad():
+        expected = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask, output_router_logits=True)
+        out, term, stats = router_forward(model, padded.for_attention(SEGMENT_ATTENTION))
+        assert expected.aux_loss is not None and term == pytest.approx(0.001 * expected.aux_loss.item(), rel=1e-6)
+        assert stats[0] == pytest.approx(expected.aux_loss.item(), rel=1e-6) and 1 <= stats[1] <= 4
+        # rows 1 and 2 packed into one row, and the first 4 tokens of row 2 with a padding tail of 15: the same real
+        # tokens, the same hidden states (samples apart), as three padded rows under transformers' own loss
+        three = collate([*examples, {"input_ids": rows[1][:4], "labels": rows[1][:4]}], tokenizer.pad_token_id)
+        expected = model(input_ids=three.input_ids, attention_mask=three.attention_mask, output_router_logits=True)
+        packed = collate([{"input_ids": rows[0] + rows[1], "labels": rows[0] + rows[1],
+                           "position_ids": list(range(12)) + list(range(7)), "seq_lens": [12, 7]},
+                          {"input_ids": rows[1][:4], "labels": rows[1][:4]}], tokenizer.pad_token_id)
+        _, _, packed_stats = router_forward(model, packed.for_attention(SEGMENT_ATTENTION))
+    assert packed.token_mask().sum() == 23
+    assert packed_stats[0] == pytest.approx(expected.aux_loss.item(), rel=1e-5)
+
+
+class OneRankEngine:
+    """What Updater calls on an engine: a plain model, one process, `dp_size` as if there were more ranks."""
+    dp_group = None
+    skips_nonfinite_grads = False
+
+    def __init__(self, model, dp_size: int = 1):
+        self.module, self.dp_size, self.ctx = model, dp_size, SimpleNamespace(device=torch.device("cpu"))
+
+    def no_sync(self, is_last_micro_batch):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def current_lr(self):
+        return 0.0
+
+    def clip_or_fused_step(self):
+        return torch.zeros(())
+
+    def step(self):
+        pass
+
+
+def test_the_mean_term_is_averaged_over_micro_batches_and_ranks():
+    """loss = Σ loss sums / count + mean over the step's micro-batches (× ranks) of the mean term; its gradient too."""
+    weight = torch.nn.Parameter(torch.tensor(2.0))
+    model = torch.nn.Module()
+    model.weight = weight
+    terms = iter([1.0, 3.0])
+
+    def micro_loss(module, batch):
+        return module.weight * batch, torch.zeros(0), module.weight * next(terms)
+
+    result = Updater(torch.device("cpu"), skip_nonfinite=False).update(OneRankEngine(model, dp_size=2), [4.0, 6.0],
+                                                                         micro_loss, 10)
+    assert result.loss == pytest.approx(2 * (4 + 6) / 10 + 2 * (1 + 3) / (2 * 2))
+    assert weight.grad.item() == pytest.approx((4 + 6) / 10 + (1 + 3) / 4)
