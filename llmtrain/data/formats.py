@@ -13,6 +13,7 @@ from typing import NamedTuple
 from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.errors import DataConfigError
 from llmtrain.losses.lm import IGNORE_INDEX
+from llmtrain.models.stop_tokens import special_token_ids
 
 KEPT, TRUNCATED = "kept", "truncated"
 CHUNKED, NEXT_CHUNK = "chunked", "next_chunk"  # a text split into rows: its first row, each further row
@@ -200,7 +201,7 @@ def encode_messages(row: dict, tokenizer, max_seq_len: int | None = None, overlo
 
 def _assistant_turns(tokenizer, messages: list[dict], full_ids: list[int]) -> list[AssistantTurn]:
     """Token span of each assistant reply, found by rendering the conversation up to it."""
-    special_ids = _special_token_ids(tokenizer)
+    special_ids = special_token_ids(tokenizer)
     turns = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -354,7 +355,7 @@ def _chat_pair(prompt: list[dict] | str | None, chosen: list[dict], rejected: li
                               f"the chosen/rejected conversations; beside messages lists a string prompt is "
                               f"not rendered, so give it as a `prompt` list of messages instead")
     before = _chat_ids(tokenizer, context, add_generation_prompt=True)
-    special_ids, eos = _special_token_ids(tokenizer), _eos(tokenizer)
+    special_ids, eos = special_token_ids(tokenizer), _eos(tokenizer)
     responses = {}
     for side, messages in conversations.items():
         through = _chat_ids(tokenizer, messages, add_generation_prompt=False)
@@ -412,11 +413,6 @@ def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> l
     )
     # transformers 5 returns a BatchEncoding here; older versions a plain list
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-
-
-def _special_token_ids(tokenizer) -> set[int]:
-    added_special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return set(tokenizer.all_special_ids) | added_special
 
 
 def _token_ids(tokenizer, text: str) -> list[int]:

@@ -27,15 +27,15 @@ from llmtrain.losses.dpo import (
 from llmtrain.models.moe import ROUTER_STATS, router_forward, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.preference import (
-    PAIR_DATA_HINT,
     PairBatch,
     collate_pairs,
     padding_free_for,
     pair_problems,
+    pair_spec,
     reward_eval_metrics,
     reward_eval_sums,
 )
-from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
+from llmtrain.stages.spec import ImplicitReward
 
 
 @dataclass
@@ -140,7 +140,6 @@ def implicit_reward(cfg) -> ImplicitReward:
     return ImplicitReward(beta=cfg.dpo.beta, averaged=cfg.dpo.loss in AVERAGED_LOGPS, reference=True)
 
 
-STAGE_SPECS = (StageSpec(name="dpo", build=build, roles=dpo_roles, data_formats=PREFERENCE_FORMATS,
-                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="dpo",
-                         config_node="dpo", config_class=DPOConfig, problems=problems, pair_scores="implicit",
+STAGE_SPECS = (pair_spec(name="dpo", build=build, roles=dpo_roles, metric_group="dpo", config_node="dpo",
+                         config_class=DPOConfig, problems=problems, pair_scores="implicit",
                          implicit_reward=implicit_reward),)

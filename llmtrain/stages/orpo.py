@@ -23,8 +23,8 @@ from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
 from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
-from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
-from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
+from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
+from llmtrain.stages.spec import ImplicitReward
 
 # Sums of a step after DPO_STATS: the chosen responses' NLL, Σ log_odds, Σ logsigmoid(log_odds).
 ORPO_STATS = ("nll_sum", "log_odds_chosen", "log_odds_ratio")
@@ -144,7 +144,6 @@ def implicit_reward(cfg) -> ImplicitReward:
     return ImplicitReward(beta=cfg.orpo.beta, averaged=True, reference=False)
 
 
-STAGE_SPECS = (StageSpec(name="orpo", build=build, roles=policy_role, data_formats=PREFERENCE_FORMATS,
-                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="orpo",
-                         config_node="orpo", config_class=ORPOConfig, problems=problems, pair_scores="implicit",
+STAGE_SPECS = (pair_spec(name="orpo", build=build, roles=policy_role, metric_group="orpo", config_node="orpo",
+                         config_class=ORPOConfig, problems=problems, pair_scores="implicit",
                          implicit_reward=implicit_reward),)

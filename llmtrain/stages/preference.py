@@ -16,11 +16,13 @@ from itertools import accumulate
 
 import torch
 
+from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.collate import FILLER, Batch, collate
 from llmtrain.data.packing import merge_packed
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_ATTENTION
+from llmtrain.stages.spec import StageSpec
 
 PAIR_DATA_HINT = ("trains on pairs: data.format={format} must be preference (rows with chosen and rejected, and "
                   "optionally prompt)")
@@ -108,6 +110,12 @@ def reward_eval_metrics(sums: list[float]) -> dict:
     pairs = max(pairs, 1)
     return {"eval_loss": loss / pairs, "eval_reward_accuracy": correct / pairs, "eval_reward_margin": margin / pairs,
             "eval_pairs": int(pairs)}
+
+
+def pair_spec(**fields) -> StageSpec:
+    """The spec of a pairwise stage: preference data, both sequences of a pair in one forward, counted in pairs."""
+    return StageSpec(data_formats=PREFERENCE_FORMATS, data_hint=PAIR_DATA_HINT, count_name="pairs",
+                     sequences_per_sample=2, **fields)
 
 
 def pair_problems(cfg, stage: str) -> list[str]:

@@ -20,8 +20,7 @@ from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise
 from llmtrain.models.heads import scores_at
 from llmtrain.models.load import use_distinct_pad_token
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.preference import PAIR_DATA_HINT, PairBatch, collate_pairs, padding_free_for, pair_problems
-from llmtrain.stages.spec import PREFERENCE_FORMATS, StageSpec
+from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
 
 ROLE = "reward"
 
@@ -129,7 +128,6 @@ def margin_column(cfg) -> dict[str, str]:
     return {column: "margin"} if column else {}
 
 
-STAGE_SPECS = (StageSpec(name="reward", build=build, roles=reward_role, data_formats=PREFERENCE_FORMATS,
-                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="reward",
-                         config_node="reward", config_class=RewardConfig, problems=problems,
-                         column_renames=margin_column, pair_scores="scalar"),)
+STAGE_SPECS = (pair_spec(name="reward", build=build, roles=reward_role, metric_group="reward", config_node="reward",
+                         config_class=RewardConfig, problems=problems, column_renames=margin_column,
+                         pair_scores="scalar"),)

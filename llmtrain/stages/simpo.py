@@ -18,15 +18,15 @@ from llmtrain.losses.reference_free import SimPOTerms, simpo_terms
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
 from llmtrain.stages.preference import (
-    PAIR_DATA_HINT,
     PairBatch,
     collate_pairs,
     padding_free_for,
     pair_problems,
+    pair_spec,
     reward_eval_metrics,
     reward_eval_sums,
 )
-from llmtrain.stages.spec import PREFERENCE_FORMATS, ImplicitReward, StageSpec
+from llmtrain.stages.spec import ImplicitReward
 
 
 @dataclass
@@ -95,7 +95,6 @@ def implicit_reward(cfg) -> ImplicitReward:
     return ImplicitReward(beta=cfg.simpo.beta, averaged=True, reference=False)
 
 
-STAGE_SPECS = (StageSpec(name="simpo", build=build, roles=policy_role, data_formats=PREFERENCE_FORMATS,
-                         data_hint=PAIR_DATA_HINT, count_name="pairs", sequences_per_sample=2, metric_group="simpo",
-                         config_node="simpo", config_class=SimPOConfig, problems=problems, pair_scores="implicit",
+STAGE_SPECS = (pair_spec(name="simpo", build=build, roles=policy_role, metric_group="simpo", config_node="simpo",
+                         config_class=SimPOConfig, problems=problems, pair_scores="implicit",
                          implicit_reward=implicit_reward),)

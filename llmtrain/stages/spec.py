@@ -17,8 +17,6 @@ from typing import Any, Callable
 from llmtrain.stages.base import ModelSource, RoleSpec
 
 SFT_FORMATS = ("prompt_response", "alpaca", "messages")
-PREFERENCE_FORMATS = ("preference",)
-PROMPT_FORMATS = ("prompt", "prompt_response", "messages")  # where an RL stage finds its prompts
 
 
 def no_problems(cfg: Any, dp: int) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from llmtrain.config import ConfigError
+from llmtrain.data.prompts import PROMPT_FORMATS
 from llmtrain.losses.advantages import needs_critic
 from llmtrain.losses.kl import build_kl_controller
 from llmtrain.models.attention import SEGMENT_ATTENTION
@@ -21,7 +22,7 @@ from llmtrain.stages.ppo.experience import ExperienceSettings
 from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_functions, reward_model_statistics
 from llmtrain.stages.ppo.rollout import SamplingSettings, checkpoint_overrides
 from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
-from llmtrain.stages.spec import PROMPT_FORMATS, RLShape, StageSpec
+from llmtrain.stages.spec import RLShape, StageSpec
 
 
 def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
