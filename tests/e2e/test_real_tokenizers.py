@@ -174,13 +174,18 @@ def test_chat_pairs_end_at_the_end_of_turn(sft):
 @pytest.fixture(scope="module")
 def reward_model(sft) -> Path:
     """Two steps of a reward model from the SFT export on chat pairs: its run folder."""
+    return pair_run(sft, "rm_tiny", "reward")
+
+
+def pair_run(sft, recipe: str, name: str) -> Path:
+    """Two steps of a pairwise recipe from the SFT export on the chat pairs: its run folder."""
     pairs = as_chat_pairs(DATA / "reverse_train.jsonl", sft.root / "pairs.jsonl", PAIRS)
-    out = sft.root / "reward"
-    result = timed_cli(["recipe=rm_tiny", f"model.name_or_path={sft.export}", f"data.train_files=[{pairs}]",
+    out = sft.root / name
+    result = timed_cli([f"recipe={recipe}", f"model.name_or_path={sft.export}", f"data.train_files=[{pairs}]",
                         "data.eval_files=[]", "data.eval_fraction=0", "data.max_seq_len=64", "trainer.max_steps=2",
                         f"trainer.micro_batch_size={PAIR_MICRO}", "trainer.eval_every_n_steps=0",
                         "trainer.save_every_n_steps=0", "trainer.log_every_n_steps=1", f"output_dir={out}"],
-                       sft.timings, "reward", timeout=900)
+                       sft.timings, name, timeout=900)
     assert_ok(result)
     return out
 
@@ -222,15 +227,7 @@ def test_ppo_with_the_reward_model(sft, reward_model):
 
 
 def test_dpo_from_the_export(sft):
-    pairs = as_chat_pairs(DATA / "reverse_train.jsonl", sft.root / "pairs.jsonl", PAIRS)
-    out = sft.root / "dpo"
-    result = timed_cli(["recipe=dpo_tiny", f"model.name_or_path={sft.export}", f"data.train_files=[{pairs}]",
-                        "data.eval_files=[]", "data.eval_fraction=0", "data.max_seq_len=64", "trainer.max_steps=2",
-                        f"trainer.micro_batch_size={PAIR_MICRO}", "trainer.eval_every_n_steps=0",
-                        "trainer.save_every_n_steps=0", "trainer.log_every_n_steps=1", f"output_dir={out}"],
-                       sft.timings, "dpo", timeout=900)
-    assert_ok(result)
-    train, _ = read_metrics(out)
+    train, _ = read_metrics(pair_run(sft, "dpo_tiny", "dpo"))
     assert [r["step"] for r in train] == [1, 2], train
     first = train[0]
     # the policy is its reference at step 1
