@@ -13,6 +13,7 @@ from llmtrain.backends import BACKENDS, backend_problems, backends_that, data_pa
 from llmtrain.config import ConfigError, batch_problems, choice_problems, schema_problems
 from llmtrain.data.formats import FORMATS
 from llmtrain.data.prompts import PROMPT_FORMATS
+from llmtrain.models.load import family_attention_problems, local_model_config
 from llmtrain.models.lora_checks import PEFT_METHODS, peft_problems, qlora_problems
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
@@ -42,7 +43,18 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += backend_problems(cfg.backend, world_size)
     problems += stage_problems(cfg, dp)
     problems += peft_problems(cfg.peft, cfg.backend, reference_off_adapters(cfg))
+    problems += attention_problems(cfg)
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
+
+
+def attention_problems(cfg: Any) -> list[str]:
+    """An explicit model.attn_implementation the family's transformers class lacks (Gemma-2 has no sdpa), read from
+    each role's architecture config alone (model.from_config, a local config.json, model.config_path): refused here,
+    on every rank, before any weights load. A hub id without config_path is checked when it loads (models/load.py)."""
+    if cfg.model.attn_implementation == "auto" or cfg.stage.name not in stage_names():
+        return []
+    configs = [local_model_config(spec.source) for spec in stage_roles(cfg).values()]
+    return family_attention_problems(cfg.model.attn_implementation, [c for c in configs if c is not None])
 
 
 def reference_off_adapters(cfg: Any) -> str | None:

@@ -185,22 +185,64 @@ def causal_lm_class(config: PretrainedConfig):
         return None
 
 
+def unsupported_attention(attn: str, config: PretrainedConfig) -> tuple[type, str, list[str]] | None:
+    """(class, flag, what it supports) when the config's transformers class lacks `attn`; None when it runs it (or
+    llmtrain cannot tell: remote code, an attention with no flag)."""
+    cls, flag = causal_lm_class(config), _SUPPORT_FLAG.get(attn)
+    if cls is None or flag is None or getattr(cls, flag, True):
+        return None
+    return cls, flag, ["eager"] + sorted({name for name, f in _SUPPORT_FLAG.items() if getattr(cls, f, False)})
+
+
+def _unsupported_message(requested: str, config: PretrainedConfig, cls: type, supported: list[str]) -> str:
+    return (f"model.attn_implementation={requested}: {cls.__name__} ({config.model_type}) does not support it in "
+            f"transformers; use one of: auto, {', '.join(supported)}")
+
+
+def family_attention_problems(requested: str, configs: list[PretrainedConfig]) -> list[str]:
+    """An explicit `model.attn_implementation` that a role's transformers class does not run, one line per family,
+    each naming the field and the fix (validation: from the architecture config alone, before any weights)."""
+    if requested == "auto":
+        return []
+    problems = []
+    for config in configs:
+        lacking = unsupported_attention(requested, config)
+        if lacking is not None:
+            line = _unsupported_message(requested, config, lacking[0], lacking[2])
+            problems += [line] if line not in problems else []
+    return problems
+
+
+def local_model_config(source) -> PretrainedConfig | None:
+    """A role's architecture config when it is at hand without the hub and without weights (`source`: a ModelSource):
+    model.from_config, a local checkpoint's config.json, or model.config_path (model_config, as the planner reads
+    it). None for a hub id without config_path, or a config the planner reports as invalid itself."""
+    local = source.from_config is not None or source.config_path is not None or \
+        (source.name_or_path is not None and Path(source.name_or_path).is_dir())
+    if not local:
+        return None
+    try:
+        return model_config(source.name_or_path, source.from_config, source.config_path, source.trust_remote_code)
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
 def attention_for_family(attn: str, requested: str, configs: list[PretrainedConfig]) -> str:
     """The run's attention, checked against what each role's model class supports, before any weights load.
 
     transformers declares per class what it runs (`_supports_sdpa`, `_supports_flex_attn`, `_supports_flash_attn`);
     Gemma-2 has no sdpa (sdpa cannot apply its attention-logit softcapping). With `auto`, a family that lacks the
     chosen attention runs eager attention (packed rows then get the dense block mask: data/collate.py); an explicit
-    choice it lacks is an error that says what it supports."""
+    choice it lacks is an error that says what it supports. Validation refuses that explicit choice first
+    (family_attention_problems, from config.json or model.from_config); this stays as the backstop for what
+    validation cannot read (a hub id without model.config_path) and for a stage's own attention (PPO's rollouts)."""
     for config in configs:
-        cls = causal_lm_class(config)
-        flag = _SUPPORT_FLAG.get(attn)
-        if cls is None or flag is None or getattr(cls, flag, True):
+        lacking = unsupported_attention(attn, config)
+        if lacking is None:
             continue
-        supported = ["eager"] + sorted({name for name, f in _SUPPORT_FLAG.items() if getattr(cls, f, False)})
+        cls, flag, supported = lacking
         if requested != "auto":
-            raise ConfigError(f"model.attn_implementation={requested}: {cls.__name__} ({config.model_type}) does not "
-                              f"support it in transformers; use one of: auto, {', '.join(supported)}")
+            raise ConfigError(_unsupported_message(requested, config, cls, supported))
         log.info("attention: %s has no %s in transformers (%s): eager attention%s", cls.__name__, attn, flag,
                  "; packed rows get a dense (B, 1, T, T) block mask" if attn == SEGMENT_ATTENTION else "")
         attn = "eager"

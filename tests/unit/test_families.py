@@ -39,6 +39,35 @@ def test_a_family_without_sdpa_runs_eager_and_an_explicit_choice_it_lacks_is_an_
     assert attention_for_family("eager", "eager", [config("gemma2")]) == "eager"
 
 
+
+def test_an_explicit_attention_the_family_lacks_is_refused_by_validation_before_any_weights(tmp_path, monkeypatch):
+    """Validation (every rank, before the process group) reads the architecture config alone, from
+    model.from_config or a local checkpoint's config.json, and names the field and the fix; nothing is built."""
+    from llmtrain.compose import compose_config
+    from llmtrain.validation import validate
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built during validation")
+
+    for method in ("from_config", "from_pretrained"):
+        monkeypatch.setattr(AutoModelForCausalLM, method, no_model)
+    gemma2 = "{model_type:gemma2,hidden_size:32,intermediate_size:64,num_hidden_layers:2,num_attention_heads:4," \
+             "num_key_value_heads:2,head_dim:8}"
+    fix = r"model.attn_implementation=sdpa: Gemma2ForCausalLM \(gemma2\) does not support it in transformers; " \
+          r"use one of: auto, eager, flash_attention_2"
+    sizes = ["recipe=sft_tiny", "model.name_or_path=null", f"model.tokenizer={TOKENIZER_DIR}"]
+    with pytest.raises(ConfigError, match=fix):
+        validate(compose_config([*sizes, f"model.from_config={gemma2}", "model.attn_implementation=sdpa"]), 1)
+    checkpoint = tmp_path / "gemma2"
+    config("gemma2").save_pretrained(checkpoint)
+    local = ["recipe=sft_tiny", f"model.name_or_path={checkpoint}", "model.from_config=null"]
+    with pytest.raises(ConfigError, match=fix):
+        validate(compose_config([*local, "model.attn_implementation=sdpa"]), 1)
+    validate(compose_config([*local, "model.attn_implementation=eager"]), 1)
+    validate(compose_config([*local, "model.attn_implementation=auto"]), 1)  # auto: eager, said in the log
+    validate(compose_config([*sizes, "model.from_config={model_type:llama,hidden_size:32,num_attention_heads:4}",
+                             "model.attn_implementation=sdpa"]), 1)
+
 def test_a_default_pad_id_outside_the_vocabulary_becomes_the_tokenizers_and_a_given_one_is_an_error(tmp_path):
     fields = {"model_type": "phi3", **{k: v for k, v in TINY.items() if k != "head_dim"}}
     assert AutoConfig.for_model("phi3").pad_token_id == 32000
