@@ -16,6 +16,7 @@ import io
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from omegaconf import DictConfig
 
 from llmtrain.backends import compared_presets, spec_of
@@ -30,6 +31,7 @@ from llmtrain.metrics.cost import (
     activation_bytes,
     activation_bytes_per_layer,
     communication,
+    eager_score_bytes,
     gated_activation_bytes_per_layer,
     logits_bytes,
     state_bytes,
@@ -105,7 +107,7 @@ class Setting:
     seq: int
     rows_per_sample: int  # 2 for pair stages (chosen and rejected in one forward)
     checkpointing: bool
-    scores: bool  # eager attention stores the (b, a, s, s) scores
+    scores: bool  # the resolved attention is eager: it stores the (b, a, s, s) scores (planned_attention)
     mfu: float
     logits_vocab: int  # V, or 1 for a reward model's score
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
@@ -132,7 +134,8 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     f = st.facts
     trainable = sum(st.roles.values())
     act = activation_bytes(rows, st.seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
-                           tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads)
+                           tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
+                           softcapping=f.softcapping)
     return trainable * act, trainable * logits_bytes(rows, st.seq, st.logits_vocab)
 
 
@@ -195,8 +198,28 @@ def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
     return model, model + (recompute if st.checkpointing else 0.0)
 
 
+def planned_attention(cfg: DictConfig, gpu: Gpu, precision: str, facts: ModelFacts) -> str:
+    """The attention the run resolves (run.py, models/load.py): an explicit one as given, `auto`'s pick for the
+    planned device, then eager where the family's transformers class lacks it (Gemma-2 has no sdpa). A GPU planned
+    from a machine without one is taken to have Triton (CUDA builds of torch ship it): flex_segments, or sdpa_segments
+    with dropout; flash-attention and flex both exist in the families that lack sdpa, so either gives the same count."""
+    from llmtrain.models.attention import SEGMENT_ATTENTION
+    from llmtrain.models.flex import FLEX_ATTENTION
+    from llmtrain.models.load import resolve_attn_implementation
+
+    m = cfg.model
+    if m.attn_implementation != "auto":
+        attn = m.attn_implementation
+    elif gpu.name == "cpu" or torch.cuda.is_available():
+        attn = resolve_attn_implementation("auto", torch.device("cpu" if gpu.name == "cpu" else "cuda"), precision,
+                                           m.dropout)
+    else:
+        attn = FLEX_ATTENTION if m.dropout == 0 else SEGMENT_ATTENTION
+    return "eager" if attn in facts.lacks_attention else attn
+
+
 def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
-    attn = cfg.model.attn_implementation
+    attn = planned_attention(cfg, gpu, precision, facts)
     lora = lora_trainable(cfg)
     spec, roles = stage_spec(cfg.stage.name), stage_roles(cfg)
     views = frozenset(role for role, r in roles.items() if lora and r.adapter_off_of)
@@ -268,7 +291,7 @@ def header(st: Setting) -> list[str]:
         + (f"; + {human(2 * L * f.block + 4 * L * h * s, 'FLOP')} recompute (hardware FLOPs)"
            if st.checkpointing else ""),
         f"activations per layer {_size(per_layer)} GiB (34·b·s·h{' + 5·b·a·s²' if st.scores else ''}, "
-        + ("eager attention stores the scores" if st.scores
+        + ("the run's attention is eager: it stores the scores" if st.scores
            else "5·b·a·s² dropped: sdpa/flash/flex keep no (b,a,s,s) scores")
         + f"); logits b·s·V·4 = {_size(logits_bytes(st.micro * st.rows_per_sample, s, st.logits_vocab))} GiB",
     ]
@@ -276,9 +299,14 @@ def header(st: Setting) -> list[str]:
     if f.intermediate:
         gated = gated_activation_bytes_per_layer(st.micro * st.rows_per_sample, s, h, f.heads,
                                                  intermediate=f.intermediate,
-                                                 kv_heads=f.kv_heads, elem=elem, scores=st.scores)
-        lines.append(f"this model's gated blocks (RMSNorm, GQA, SwiGLU) keep s·b·(8h + 2kv + 4i + a + 2) elements: "
-                     f"{_size(gated)} GiB per layer ({gated / per_layer:.2f}× 34·b·s·h), used in the table")
+                                                 kv_heads=f.kv_heads, elem=elem, scores=st.scores,
+                                                 softcapping=f.softcapping)
+        count = (f"s·b·(10h + 4i + 2) elements + b·a·s²·{eager_score_bytes(elem, f.softcapping)} bytes of eager "
+                 f"scores{' (softcapped)' if f.softcapping else ''}" if st.scores
+                 else "s·b·(8h + 2kv + 4i + a + 2) elements")
+        korthikanti = "34·b·s·h" + (" + 5·b·a·s²" if st.scores else "")
+        lines.append(f"this model's gated blocks (RMSNorm, GQA, SwiGLU) keep {count}: "
+                     f"{_size(gated)} GiB per layer ({gated / per_layer:.2f}× {korthikanti}), used in the table")
     if st.lora:
         lines.append(f"LoRA: {st.lora:,} trainable adapter parameters; the {f.params:,} of the base frozen "
                      "(weights only)")
@@ -428,7 +456,8 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures
         """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
         as if all were alive at once)."""
         return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
-                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads)
+                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads,
+                                 softcapping=facts.softcapping)
                 + logits_bytes(rows, seq, st.logits_vocab))
 
     model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)

@@ -91,24 +91,38 @@ def activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, tp: int = 1, e
     return per * elem / 2
 
 
+def eager_score_bytes(elem: int, softcapping: bool = False) -> int:
+    """Bytes eager attention keeps per element of its (b, a, s, s) scores in one block, measured with saved-tensor
+    hooks (transformers 5 eager_attention_forward): the softmax's output, in fp32 whatever the compute dtype (softmax
+    saves it), and in 16-bit the copy cast back to the compute dtype that the scores @ V matmul saves (in fp32 the
+    same tensor); attention-logit softcapping (Gemma-2) adds tanh's output in the compute dtype."""
+    return 4 + (elem if elem < 4 else 0) + (elem if softcapping else 0)
+
+
 def gated_activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, intermediate: int, kv_heads: int,
-                                     tp: int = 1, elem: int = 2, scores: bool = True) -> float:
+                                     tp: int = 1, elem: int = 2, scores: bool = True,
+                                     softcapping: bool = False) -> float:
     """A Llama-style block (RMSNorm, GQA, rotary, SwiGLU MLP, no dropout), counted from what autograd saves (measured
     with saved-tensor hooks, metrics/live.py): per token, two RMSNorms keep their input, the normalised and the
     weighted output (3h) and 1/rms (1) each — the input of the second is the attention residual, of the first the
     block input; attention keeps rotated q (h), k and v (2·kv, GQA unrepeated), its output (h, o_proj's input too)
     and a logsumexp per head (a); the MLP keeps gate, up, silu(gate) and their product (4i).
-    → s·b·(8h + 2kv + 4i/t + a + 2) elements (TP splits the MLP and heads), × elem bytes; eager attention adds the
-    (b, a, s, s) probabilities (a·s per token). GPT's 34·s·b·h (16-bit) assumes a 4h GELU MLP and dropout masks;
-    for the tiny Llama (h 128, i 384) this count is 1.27× it, and matches the measured bytes to 0.01 %."""
-    kv = kv_heads * (h // a)
-    per_token = 8 * h + 2 * kv + (4 * intermediate + a) / tp + 2 + (a * s / tp if scores else 0.0)
-    return s * b * per_token * elem
+    → s·b·(8h + 2kv + 4i/t + a + 2) elements (TP splits the MLP and heads), × elem bytes. GPT's 34·s·b·h (16-bit)
+    assumes a 4h GELU MLP and dropout masks; for the tiny Llama (h 128, i 384) this count is 1.27× it, and matches
+    the measured bytes to 0.01 %.
+
+    `scores` (eager attention, the resolved attention of a family without sdpa such as Gemma-2): the (b, a, s, s)
+    scores, b·a·s²·eager_score_bytes(elem, softcapping) bytes (t splits the heads); k and v are kept repeated to every
+    head (repeat_kv copies them before the matmuls: 2·a·(h/a) for 2kv) and there is no logsumexp (a)."""
+    kv = (a if scores else kv_heads) * (h // a)
+    per_token = 8 * h + 2 * kv + (4 * intermediate + (0 if scores else a)) / tp + 2
+    kept = b * a * s * s * eager_score_bytes(elem, softcapping) / tp if scores else 0.0
+    return s * b * per_token * elem + kept
 
 
 def activation_bytes(b: int, s: int, h: int, a: int, layers: int, *, checkpointing: bool, tp: int = 1,
                      elem: int = 2, scores: bool = True, intermediate: int | None = None,
-                     kv_heads: int | None = None) -> float:
+                     kv_heads: int | None = None, softcapping: bool = False) -> float:
     """All layers, plus the embedding output (2·s·b·h). Checkpointing keeps each block's input (2·s·b·h) and, in
     backward, one block's full activations at a time (its recompute). With `intermediate` (a gated, Llama-style
     block) the layer is `gated_activation_bytes_per_layer`, whose count holds the block input already, and the final
@@ -116,7 +130,7 @@ def activation_bytes(b: int, s: int, h: int, a: int, layers: int, *, checkpointi
     block_input = 2 * s * b * h * elem / 2
     if intermediate:
         layer = gated_activation_bytes_per_layer(b, s, h, a, intermediate=intermediate, kv_heads=kv_heads or a,
-                                                 tp=tp, elem=elem, scores=scores)
+                                                 tp=tp, elem=elem, scores=scores, softcapping=softcapping)
         outside = s * b * (3 * h + 1) * elem
         return (layers * block_input + layer if checkpointing else layers * layer) + outside
     layer = activation_bytes_per_layer(b, s, h, a, tp=tp, elem=elem, scores=scores)

@@ -26,6 +26,8 @@ class ModelFacts:
     head: int  # 0 when tied to the embedding
     tp_params: int  # parameters the model's TP plan splits; 0: no plan
     model_type: str
+    lacks_attention: frozenset[str] = frozenset()  # attentions its transformers class does not run (Gemma-2: sdpa)
+    softcapping: bool = False  # attention-logit softcapping (Gemma-2): eager attention keeps tanh's output too
 
 
 def local_vocab_size(tokenizer_source: str | None, trust_remote_code: bool) -> int | None:
@@ -43,7 +45,7 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.models.load import model_config
+    from llmtrain.models.load import model_config, unsupported_attentions
 
     m = cfg.model
     vocab = local_vocab_size(m.tokenizer or m.name_or_path, m.trust_remote_code)
@@ -64,7 +66,8 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
                       vocab=arch.vocab_size, intermediate=getattr(arch, "intermediate_size", None),
                       block=sum(p.numel() for p in blocks[0].parameters()), embed=embed.numel(),
                       head=0 if out is None or out.weight is embed else out.weight.numel(), tp_params=tp_params,
-                      model_type=arch.model_type)
+                      model_type=arch.model_type, lacks_attention=unsupported_attentions(arch),
+                      softcapping=getattr(arch, "attn_logit_softcapping", None) is not None)
 
 
 def lora_trainable(cfg: DictConfig) -> int:

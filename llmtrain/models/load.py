@@ -194,6 +194,11 @@ def unsupported_attention(attn: str, config: PretrainedConfig) -> tuple[type, st
     return cls, flag, ["eager"] + sorted({name for name, f in _SUPPORT_FLAG.items() if getattr(cls, f, False)})
 
 
+def unsupported_attentions(config: PretrainedConfig) -> frozenset[str]:
+    """Every attention llmtrain runs that the config's transformers class lacks (Gemma-2: sdpa, sdpa_segments)."""
+    return frozenset(name for name in _SUPPORT_FLAG if unsupported_attention(name, config) is not None)
+
+
 def _unsupported_message(requested: str, config: PretrainedConfig, cls: type, supported: list[str]) -> str:
     return (f"model.attn_implementation={requested}: {cls.__name__} ({config.model_type}) does not support it in "
             f"transformers; use one of: auto, {', '.join(supported)}")

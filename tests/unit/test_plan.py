@@ -124,6 +124,85 @@ def test_activations_and_logits_by_hand():
     assert logits_bytes(b, s, 32_000) == b * s * 32_000 * 4
 
 
+
+GEMMA2 = "{model_type:gemma2,hidden_size:64,intermediate_size:128,num_hidden_layers:2,num_attention_heads:4," \
+         "num_key_value_heads:2,head_dim:16}"
+
+
+def test_eager_attention_scores_by_hand_and_when_the_resolved_attention_is_eager():
+    """Eager attention keeps per block the fp32 softmax output, in 16-bit the copy scores·V saves, with softcapping
+    tanh's output: b·a·s²·(4 + w' + w_c) bytes; k and v repeated to every head, no logsumexp. The planner counts it
+    when the run resolves to eager: `auto` on Gemma-2 (no sdpa in transformers) on the CPU, not on a Llama."""
+    from llmtrain.metrics.cost import eager_score_bytes, gated_activation_bytes_per_layer
+    from llmtrain.models.facts import model_facts
+    from llmtrain.plan import planned_attention
+    from llmtrain.plan import setting as plan_setting
+
+    b, s, h, a, kv, i = 2, 512, 256, 8, 2, 512
+    assert (eager_score_bytes(4), eager_score_bytes(2), eager_score_bytes(2, True), eager_score_bytes(4, True)) == \
+        (4, 6, 8, 8)
+    sdpa = gated_activation_bytes_per_layer(b, s, h, a, intermediate=i, kv_heads=kv, elem=2, scores=False)
+    assert sdpa == s * b * (8 * h + 2 * kv * (h // a) + 4 * i + a + 2) * 2
+    eager = gated_activation_bytes_per_layer(b, s, h, a, intermediate=i, kv_heads=kv, elem=2, scores=True,
+                                             softcapping=True)
+    assert eager == s * b * (10 * h + 4 * i + 2) * 2 + b * a * s * s * (4 + 2 + 2)
+    fp32 = gated_activation_bytes_per_layer(b, s, h, a, intermediate=i, kv_heads=kv, elem=4, scores=True)
+    assert fp32 == s * b * (10 * h + 4 * i + 2) * 4 + b * a * s * s * 4
+    layers, micro, seq = 2, 3, 64
+    for family, eager_expected in ((GEMMA2, True), (None, False)):
+        overrides = ["recipe=sft_tiny", f"trainer.micro_batch_size={micro}", f"data.max_seq_len={seq}"]
+        if family:
+            overrides += ["model.name_or_path=null", f"model.from_config={family}"]
+        cfg = compose_config(overrides)
+        f = model_facts(cfg)
+        cpu = resolve_gpu(cfg.plan, "cpu")
+        assert (planned_attention(cfg, cpu, "fp32", f) == "eager") is eager_expected
+        st = plan_setting(cfg, 1, cpu, "fp32", f)
+        assert st.scores is eager_expected and f.softcapping is eager_expected  # Gemma-2: attn_logit_softcapping 50
+        row = plan_row(st, Layout(dp=1, **DDP))
+        scores = layers * micro * f.heads * seq * seq * (8 if eager_expected else 0)  # fp32: softmax + tanh
+        kv = (f.heads if eager_expected else f.kv_heads) * (f.hidden // f.heads)
+        per_token = 8 * f.hidden + 2 * kv + 4 * f.intermediate + (0 if eager_expected else f.heads) + 2
+        outside = seq * micro * (3 * f.hidden + 1) * 4
+        assert row.activations == layers * seq * micro * per_token * 4 + scores + outside
+    cfg = compose_config(["recipe=sft_tiny", "model.name_or_path=null", f"model.from_config={GEMMA2}"])
+    h100 = resolve_gpu(compose_config(["recipe=sft_tiny", "plan.gpu=h100-80gb"]).plan)
+    assert planned_attention(cfg, h100, "bf16", model_facts(cfg)) != "eager"  # flash / flex: Gemma-2 has both
+
+
+def test_eager_attention_term_matches_the_saved_tensors_of_a_forward():
+    """The planner's eager-minus-sdpa difference on a tiny Llama (fp32: exact), and softcapping's tanh on a tiny
+    Gemma-2 (its eager attention with and without attn_logit_softcapping), against saved-tensor hooks."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.metrics.cost import gated_activation_bytes_per_layer
+    from llmtrain.metrics.live import SavedTensorMeter
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=100)
+    b, s = 2, 64
+
+    def saved(model_type: str, attn: str, autocast: bool = False, **fields) -> int:
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **sizes, **fields)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
+        meter = SavedTensorMeter([model.model])
+        with meter.watch(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model.model(input_ids=torch.randint(0, 100, (b, s)))
+        return meter.peak
+
+    def planned(elem: int, scores: bool, softcapping: bool = False) -> float:
+        return 2 * gated_activation_bytes_per_layer(b, s, 64, 4, intermediate=128, kv_heads=2, elem=elem,
+                                                    scores=scores, softcapping=softcapping)
+
+    assert saved("llama", "eager") - saved("llama", "sdpa") == planned(4, True) - planned(4, False)
+    measured = saved("llama", "eager", True) - saved("llama", "sdpa", True)
+    assert measured == pytest.approx(planned(2, True) - planned(2, False), rel=0.01)  # logsumexp in fp32
+    for autocast, elem in ((False, 4), (True, 2)):
+        softcap = saved("gemma2", "eager", autocast) - saved("gemma2", "eager", autocast, attn_logit_softcapping=None)
+        assert softcap == planned(elem, True, True) - planned(elem, True)
+
 def test_flops_and_the_34_percent_mfu_example():
     """docs/formulas.md: L=24, h=1024, s=1024, b=48 per device, accumulation 2, DP 4 (RTX 4090, 165 TFLOP/s):
     103.9 TFLOP per device per micro-step, 831 TFLOP per step, 0.27 steps/s -> MFU ≈ 34 %."""
