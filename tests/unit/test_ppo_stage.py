@@ -245,6 +245,25 @@ def test_several_reward_functions_are_weighted_and_none_is_skipped():
     functions = [RewardFunction("length", length, 0.5), RewardFunction("only_short", only_short, 2.0)]
     scores, means = combined_scores(functions, completions_of(["p", "q"], ["ab", "abcd"]))
     assert scores == [0.5 * 2 + 2.0 * 1, 0.5 * 4] and means == {"length": 3.0, "only_short": 1.0}
-    with pytest.raises(ValueError, match="reward function never scored none of the 2 responses"):
+    with pytest.raises(ValueError, match="reward function never scored none of the step's responses"):
         combined_scores([RewardFunction("never", lambda completions, **kw: [None, math.nan])],
                         completions_of(["p", "q"], ["a", "b"]))
+
+
+def test_reward_function_means_are_global_over_the_data_parallel_ranks(tmp_path):
+    """Two gloo ranks score different responses: each function's mean is its sum over the count of the responses it
+    scored on every rank (one all-reduce), the same on both ranks; a function that scores none of one rank's
+    responses is fine, one that scores none anywhere is an error on both ranks (neither waits for the other)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.unit.workers.reward_means import score
+
+    mp.spawn(score, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expected = {"my_rewards:length": (2 + 4 + 6) / 3, "my_rewards:only_short": 1.0}  # not rank 0's 3.0, rank 1's 6.0
+    assert [r["means"] for r in ranks] == [expected, expected]
+    assert ranks[0]["metrics"] == {"score_fn_length": 4.0, "score_fn_only_short": 1.0}
+    assert [r["totals"] for r in ranks] == [[0.5 * 2 + 2.0, 0.5 * 4], [0.5 * 6]]  # each rank's own responses
+    assert all("reward function my_rewards:never scored none of the step's responses" in r["error"] for r in ranks)

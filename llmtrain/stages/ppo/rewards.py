@@ -24,6 +24,7 @@ import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.models.heads import scores_at
+from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.ppo.rollout import Rollout, model_inputs
 
 
@@ -103,21 +104,43 @@ def call_reward_function(function: Callable, prompts: list, responses: list[str]
     return checked_scores(scores, len(responses), getattr(function, "__qualname__", repr(function)))
 
 
-def combined_scores(functions: list[RewardFunction], completions: Completions) -> tuple[list[float], dict]:
-    """Σ_f weight_f · score_f per response, a function's missing scores (None) skipped as TRL does; (scores, the
-    mean of each function's scores over the responses it scored, keyed by its name)."""
+def combined_scores(functions: list[RewardFunction], completions: Completions,
+                    group=None) -> tuple[list[float], dict[str, float]]:
+    """Σ_f weight_f · score_f per response, a function's missing scores (None) skipped as TRL does; (scores, each
+    function's mean over the responses it scored on every data-parallel rank, keyed by its name).
+
+    Collective: every rank of `group` (the actor's dp group; None: every rank) calls it at the same point, and one
+    all-reduce of each function's (sum, count) gives every rank the global mean, as `stages.base.reduce_sums` does
+    for the step's other means. A function that scored none of this rank's responses is fine; one that scored none
+    of the step's (every score None or NaN on every rank) is an error on every rank (no rank is left waiting)."""
     totals = [0.0] * len(completions.texts)
-    means = {}
+    sums = []  # per function: (Σ scores, count) of the responses it scored on this rank
     for reward in functions:
         scores = call_reward_function(reward.function, completions.prompts, completions.texts, completions.columns,
                                       completions)
         present = [s for s in scores if s is not None]
-        if not present:
-            raise ValueError(f"reward function {reward.name} scored none of the {len(scores)} responses (every score "
-                             "None or NaN): return a number for the responses it applies to")
-        means[reward.name] = sum(present) / len(present)
+        sums += [math.fsum(present), len(present)]
         totals = [t + reward.weight * s if s is not None else t for t, s in zip(totals, scores)]
+    reduced = all_reduce_sum(torch.tensor(sums, dtype=torch.float64), group).tolist() if functions else []
+    means = {}
+    for reward, total, count in zip(functions, reduced[0::2], reduced[1::2]):
+        if count == 0:
+            raise ValueError(f"reward function {reward.name} scored none of the step's responses (every score None "
+                             "or NaN, on every rank): return a number for the responses it applies to")
+        means[reward.name] = total / count
     return totals, means
+
+
+def score_metrics(functions: list[RewardFunction], means: dict[str, float]) -> dict[str, float]:
+    """The per-function means as flat metric keys: `score_fn_<attribute>` (`my_rewards:format_reward` ->
+    `score_fn_format_reward`, beside `score`, their weighted sum's mean), the whole spec in the key where two
+    functions share an attribute name."""
+    attributes = [f.name.rpartition(":")[2] for f in functions]
+    keys = {}
+    for reward, attribute in zip(functions, attributes):
+        name = attribute if attributes.count(attribute) == 1 else reward.name
+        keys[reward.name] = "score_fn_" + "".join(c if c.isalnum() else "_" for c in name)
+    return {keys[name]: mean for name, mean in means.items()}
 
 
 def checked_scores(scores, count: int, name: str) -> list[float | None]:
