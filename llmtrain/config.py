@@ -54,6 +54,9 @@ class ModelConfig:
     activation_checkpointing: bool = False
     dropout: float = 0.0
     trust_remote_code: bool = False
+    fused_loss: str = "auto"  # auto | chunked | off: the LM head and the loss computed together over chunks of
+    # tokens (no (tokens, V) logits); auto: chunked (a GPU kernel is not wired in yet); off: full logits
+    loss_chunk_tokens: int = 0  # tokens per chunk of the fused head; 0: chosen from the vocabulary and hidden size
 
 
 @dataclass
@@ -157,6 +160,7 @@ CHOICES = {  # the schema's own fields; the registries' names (stage, backend, d
     "device": ("auto", "cpu", "cuda"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "data.overlong": ("truncate", "drop", "chunk"),
+    "model.fused_loss": ("auto", "chunked", "off"),
 }
 OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
 
@@ -188,7 +192,8 @@ def schema_problems(cfg: Any) -> list[str]:
     non_negative = {"trainer.eval_every_n_steps": t.eval_every_n_steps, "trainer.save_every_n_steps":
                     t.save_every_n_steps, "trainer.log_every_n_steps": t.log_every_n_steps,
                     "optim.warmup_steps": o.warmup_steps, "optim.max_grad_norm": o.max_grad_norm,
-                    "optim.weight_decay": o.weight_decay, "data.num_workers": d.num_workers}
+                    "optim.weight_decay": o.weight_decay, "data.num_workers": d.num_workers,
+                    "model.loss_chunk_tokens": m.loss_chunk_tokens}
     problems += [f"{k}={v} must be >= 0" for k, v in non_negative.items() if v < 0]
     if not o.lr > 0:
         problems.append(f"optim.lr={o.lr} must be > 0")

@@ -32,6 +32,7 @@ from llmtrain.metrics.cost import (
     activation_bytes_per_layer,
     communication,
     eager_score_bytes,
+    fused_head_bytes,
     gated_activation_bytes_per_layer,
     logits_bytes,
     state_bytes,
@@ -42,6 +43,7 @@ from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.live import PlanFigures
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
+from llmtrain.models.fused_head import default_chunk_tokens
 from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
 from llmtrain.stages.registry import stage_roles, stage_spec
 from llmtrain.validation import data_parallel_size, validate
@@ -110,6 +112,8 @@ class Setting:
     scores: bool  # the resolved attention is eager: it stores the (b, a, s, s) scores (planned_attention)
     mfu: float
     logits_vocab: int  # V, or 1 for a reward model's score
+    head_chunk: int | None = None  # the fused LM head's chunk tokens (model.fused_loss); None: full logits
+    head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT): it holds its gradients to backward
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
     scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
 
@@ -136,7 +140,16 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     act = activation_bytes(rows, st.seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
                            tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
                            softcapping=f.softcapping)
-    return trainable * act, trainable * logits_bytes(rows, st.seq, st.logits_vocab)
+    return trainable * act, trainable * head_bytes(st, rows, st.seq)[1]
+
+
+def head_bytes(st: Setting, rows: int, seq: int) -> tuple[float, float]:
+    """The LM head and loss of one forward: (what autograd holds to the backward, the peak). Full logits: b·s·V·4
+    both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes."""
+    if st.head_chunk is None or st.logits_vocab == 1:
+        full = logits_bytes(rows, seq, st.logits_vocab)
+        return full, full
+    return fused_head_bytes(rows, seq, st.logits_vocab, st.facts.hidden, st.head_chunk, st.head_loss_sum)
 
 
 def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 << 16) -> int:
@@ -230,7 +243,15 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
                    micro=cfg.trainer.micro_batch_size, accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
                    rows_per_sample=spec.sequences_per_sample, checkpointing=cfg.model.activation_checkpointing,
                    scores=attn == "eager", mfu=cfg.plan.mfu, logits_vocab=1 if trainable_scalar else facts.vocab,
-                   rl=RLIteration.from_config(cfg))
+                   rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
+                   head_loss_sum=spec.token_losses)
+
+
+def planned_head_chunk(m, facts: ModelFacts) -> int | None:
+    """model.fused_loss / loss_chunk_tokens -> the fused head's chunk tokens; None: full logits."""
+    if m.fused_loss == "off":
+        return None
+    return m.loss_chunk_tokens or default_chunk_tokens(facts.vocab, facts.hidden)
 
 
 def _size(value: float) -> str:
@@ -273,6 +294,16 @@ def table(rows: list[Row], gpu: Gpu) -> str:
     return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines() if line.strip())
 
 
+def head_line(st: Setting) -> str:
+    rows = st.micro * st.rows_per_sample
+    full = f"logits b·s·V·4 = {_size(logits_bytes(rows, st.seq, st.logits_vocab))} GiB"
+    if st.head_chunk is None or st.logits_vocab == 1:
+        return full
+    held = " + (b·s·h + V·h)·4 held gradients" if st.head_loss_sum else ""
+    return (f"LM head and loss fused over chunks of {st.head_chunk} tokens: 3·c·V·4{held} = "
+            f"{_size(head_bytes(st, rows, st.seq)[1])} GiB (model.fused_loss=off: {full})")
+
+
 def header(st: Setting) -> list[str]:
     f, g = st.facts, st.gpu
     h, L, s, V = f.hidden, f.layers, st.seq, f.vocab
@@ -293,7 +324,7 @@ def header(st: Setting) -> list[str]:
         f"activations per layer {_size(per_layer)} GiB (34·b·s·h{' + 5·b·a·s²' if st.scores else ''}, "
         + ("the run's attention is eager: it stores the scores" if st.scores
            else "5·b·a·s² dropped: sdpa/flash/flex keep no (b,a,s,s) scores")
-        + f"); logits b·s·V·4 = {_size(logits_bytes(st.micro * st.rows_per_sample, s, st.logits_vocab))} GiB",
+        + "); " + head_line(st),
     ]
     # the table's activations use the gated-block count (metrics/cost.py, measured per saved tensor)
     if f.intermediate:
@@ -458,7 +489,7 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures
         return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
                                  elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads,
                                  softcapping=facts.softcapping)
-                + logits_bytes(rows, seq, st.logits_vocab))
+                + head_bytes(st, rows, seq)[0])
 
     model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
     recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0

@@ -28,6 +28,7 @@ class ModelOptions:
     attn_implementation: str
     dropout: float
     activation_checkpointing: bool
+    fused_head_chunk: int | None = None  # the fused LM head and loss (0: default chunk size); None: full logits
 
 
 def check_same_data_parallel(layouts: dict[str, tuple[int, int]]) -> None:
@@ -65,7 +66,8 @@ def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: Model
                                 attn_implementation=options.attn_implementation, dropout=options.dropout,
                                 activation_checkpointing=options.activation_checkpointing and spec.trainable,
                                 trust_remote_code=src.trust_remote_code, head=spec.head, seed=seed,
-                                gather=backend.gathered_for_init, lora=lora if spec.trainable else None)
+                                gather=backend.gathered_for_init, lora=lora if spec.trainable else None,
+                                fused_head_chunk=options.fused_head_chunk)
         role_optim = replace(optim, lr=spec.lr) if spec.lr is not None else optim
         engines[role] = backend.wrap(model, role_optim if spec.trainable else None)
         log.debug("role %s: %s, %s", role, type(model).__name__, "trainable" if spec.trainable else "frozen")

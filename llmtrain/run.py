@@ -109,7 +109,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
-                            ModelOptions(attn, m.dropout, m.activation_checkpointing), t.seed,
+                            ModelOptions(attn, m.dropout, m.activation_checkpointing, fused_head_chunk(m, ctx)), t.seed,
                             optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
@@ -163,6 +163,18 @@ def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> 
             log.info("%s: Hugging Face export in %s", role, directory)
     if ctx.is_main:
         log.info("done: %d roles exported", len(trainable))
+
+
+def fused_head_chunk(m: DictConfig, ctx: DistContext) -> int | None:
+    """model.fused_loss -> the fused head's chunk tokens (0: chosen from V and h), or None for full logits."""
+    if m.fused_loss == "off":
+        if ctx.is_main:
+            log.info("LM head and loss: full (tokens, V) logits (model.fused_loss=off)")
+        return None
+    if ctx.is_main:
+        chunk = m.loss_chunk_tokens or "V- and h-sized"
+        log.info("LM head and loss: fused, over chunks of %s tokens (model.fused_loss=%s)", chunk, m.fused_loss)
+    return m.loss_chunk_tokens
 
 
 def batch_preparer(device: torch.device, precision: str, attn_implementation: str):

@@ -45,6 +45,10 @@ class AdapterOffForward:
     def eval(self) -> AdapterOffForward:
         return self
 
+    def modules(self):
+        """The target's modules (where the fused LM head is found)."""
+        return self.target.module.modules()
+
     def train(self, mode: bool = True) -> AdapterOffForward:
         return self
 

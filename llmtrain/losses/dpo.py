@@ -65,15 +65,23 @@ def packed_sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_i
     the sequence of the token it predicts; a sequence's first token is never a target (its label is masked
     when packed), so nothing is predicted across a boundary.
     """
-    logps, is_target = token_logps(logits, labels)  # (B, T)
+    logps, _ = token_logps(logits, labels)  # (B, T)
+    return sequence_sums(logps, labels, sequence_ids, num_sequences, average)
+
+
+def sequence_sums(logps: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int,
+                  average: bool = False) -> torch.Tensor:
+    """(B, T) per-token log-probs (position t: label t + 1, 0 where ignored) -> (num_sequences,) summed (or averaged)
+    over each sequence's target tokens, as `packed_sequence_logps`."""
+    is_target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX  # (B, T)
     owner = F.pad(sequence_ids[:, 1:], (0, 1), value=-1).flatten()  # (B·T,) the predicted token's sequence
     kept = (owner >= 0) & is_target.flatten()
     index = owner.clamp(min=0)
-    totals = torch.zeros(num_sequences, device=logits.device).index_add_(0, index[kept], logps.flatten()[kept])
+    totals = torch.zeros(num_sequences, device=logps.device).index_add_(0, index[kept], logps.flatten()[kept])
     if not average:
         return totals
-    counts = torch.zeros(num_sequences, device=logits.device).index_add_(0, index[kept], torch.ones_like(index[kept],
-                                                                                                          dtype=torch.float32))
+    counts = torch.zeros(num_sequences, device=logps.device).index_add_(0, index[kept], torch.ones_like(index[kept],
+                                                                                                         dtype=torch.float32))
     return totals / counts.clamp(min=1)
 
 

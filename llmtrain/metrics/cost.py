@@ -143,6 +143,14 @@ def logits_bytes(b: int, s: int, vocab: int) -> float:
     return 4.0 * b * s * vocab
 
 
+def fused_head_bytes(b: int, s: int, vocab: int, hidden: int, chunk: int, held_gradients: bool) -> tuple[float, float]:
+    """The fused LM head and loss (models/fused_head.py) -> (held from forward to backward, peak). Held: the summed
+    loss's gradients, computed in the forward: b·s·h·4 + V·h·4 (per-token outputs hold none: their backward recomputes
+    each chunk). Peak: held + one chunk's fp32 logits, log-softmax and gradient, 3·min(c, b·s)·V·4."""
+    held = 4.0 * (b * s * hidden + vocab * hidden) if held_gradients else 0.0
+    return held, held + 12.0 * min(chunk, b * s) * vocab
+
+
 @dataclass(frozen=True)
 class Collective:
     what: str

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from llmtrain.config import ConfigError
+from llmtrain.models import fused_head
 from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
 from llmtrain.models.flex import FLEX_ATTENTION, FLEX_IMPLEMENTATIONS, register_flex_attention
 from llmtrain.models.init import Gather, missing_modules, seeded_init
@@ -276,7 +277,8 @@ def auto_class(head: str):
 def build_model(*, name_or_path: str | None, from_config: dict | None, config_path: str | None,
                 tokenizer: Any, attn_implementation: str, dropout: float,
                 activation_checkpointing: bool, trust_remote_code: bool, head: str = "lm", seed: int = 0,
-                gather: Gather | None = None, lora: LoraSettings | None = None) -> torch.nn.Module:
+                gather: Gather | None = None, lora: LoraSettings | None = None,
+                fused_head_chunk: int | None = None) -> torch.nn.Module:
     """An fp32 model on the CPU (a causal LM, or with `head="scalar"` a one-label sequence classifier), its
     embeddings sized to the tokenizer.
 
@@ -285,7 +287,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     than 0) the same modules are built without storage and nothing is read: from_pretrained refuses meta,
     so the architecture comes from the checkpoint's config; the backend fills the weights in later.
     `lora`: peft's adapters on top (base frozen), added here so that they too are built inside the backend's
-    model_init_context (models/lora.py)."""
+    model_init_context (models/lora.py). `fused_head_chunk`: a causal LM's head computes the loss over chunks of
+    this many tokens (0: the default) while a stage asks it to (models/fused_head.py)."""
     config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer),
                           pad_token_id=tokenizer.pad_token_id)
     set_dropout(config, dropout)
@@ -333,6 +336,9 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not on_meta)
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    if head == "lm" and fused_head_chunk is not None and not fused_head.install(model, fused_head_chunk):
+        raise ConfigError(f"model.fused_loss: {type(model.get_output_embeddings()).__name__} is not a plain Linear "
+                          "LM head, which the fused head-and-loss path needs; set model.fused_loss=off")
     if activation_checkpointing:
         # Non-reentrant: it needs no input that requires grad, so a LoRA model (frozen embeddings) gets its adapter
         # gradients without `enable_input_require_grads()`, which the reentrant variant would need.

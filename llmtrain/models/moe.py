@@ -52,14 +52,14 @@ def router_losses(router: Router, router_logits: tuple, token_mask: torch.Tensor
     return aux, busiest
 
 
-def router_forward(module: torch.nn.Module, batch) -> tuple:
-    """`module(**batch.model_inputs())` (batch: data/collate.Batch) -> (outputs, mean term, statistics): for an MoE
-    model the term is coef × aux loss (0-d, with grad: the Updater's mean term) and the statistics (aux, busiest
-    expert's load) (2,), detached; for a dense model both are None."""
+def router_forward(module: torch.nn.Module, batch, **kwargs) -> tuple:
+    """`module(**batch.model_inputs(), **kwargs)` (batch: data/collate.Batch) -> (outputs, mean term, statistics):
+    for an MoE model the term is coef × aux loss (0-d, with grad: the Updater's mean term) and the statistics (aux,
+    busiest expert's load) (2,), detached; for a dense model both are None."""
     router = router_of(module)
     if router is None:
-        return module(**batch.model_inputs()), None, None
-    out = module(**batch.model_inputs(), output_router_logits=True)
+        return module(**batch.model_inputs(), **kwargs), None, None
+    out = module(**batch.model_inputs(), output_router_logits=True, **kwargs)
     aux, busiest = router_losses(router, out.router_logits, batch.token_mask())
     return out, router.coef * aux, torch.stack([aux.detach(), busiest])
 

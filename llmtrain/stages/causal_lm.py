@@ -12,9 +12,11 @@ from functools import partial
 import torch
 
 from llmtrain.data.collate import Batch, collate
-from llmtrain.losses.lm import count_target_tokens, lm_correct_count, lm_loss_sum
-from llmtrain.models.moe import ROUTER_STATS, router_forward, router_metrics, router_of
+from llmtrain.losses.lm import count_target_tokens
+from llmtrain.models.fused_head import HeadQuery, shifted_targets
+from llmtrain.models.moe import ROUTER_STATS, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.head import lm_forward, target_logps
 from llmtrain.stages.spec import SFT_FORMATS, StageSpec
 
 
@@ -30,8 +32,9 @@ class CausalLMStage(Stage):
     def micro_batch_loss(module: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, ...]:
         """Summed loss over the micro-batch's target tokens (the updater normalises it); no statistics. An MoE model
         adds its routers' coef × aux loss as the mean term, and (aux, busiest expert's load) as statistics."""
-        out, aux_term, router_stats = router_forward(module, batch)
-        loss_sum = lm_loss_sum(out.logits, batch.labels)  # logits (B, T, V)
+        answer, aux_term, router_stats = lm_forward(module, batch, HeadQuery(shifted_targets(batch.labels),
+                                                                           loss_sum=True), route=True)
+        loss_sum = answer.loss_sum  # −Σ log p over the target tokens: the head's chunks, never the (B, T, V) logits
         if aux_term is None:
             return loss_sum, torch.zeros(0, device=loss_sum.device)
         return loss_sum, router_stats, aux_term
@@ -52,9 +55,9 @@ class CausalLMStage(Stage):
         sums = [torch.zeros((), dtype=torch.float64, device=engine.ctx.device) for _ in range(3)]
         for batch in batches:
             with engine.autocast():
-                logits = engine.module(**batch.model_inputs()).logits  # (B, T, V)
-            for i, value in enumerate((lm_loss_sum(logits, batch.labels), count_target_tokens(batch.labels),
-                                       lm_correct_count(logits, batch.labels))):
+                answer, _, _ = target_logps(engine.module, batch, accuracy=True)  # (B, T) each
+            for i, value in enumerate((-answer.logps.double().sum(), count_target_tokens(batch.labels),
+                                       answer.correct.sum())):
                 sums[i] += value.double()
         loss_sum, targets, correct = reduce_sums(sums, engine)
         eval_loss = loss_sum / max(targets, 1)

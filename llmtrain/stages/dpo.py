@@ -22,10 +22,10 @@ from llmtrain.losses.dpo import (
     dpo_loss_terms,
     dpo_metrics,
     dpo_stat_sums,
-    packed_sequence_logps,
 )
-from llmtrain.models.moe import ROUTER_STATS, router_forward, router_metrics, router_of
+from llmtrain.models.moe import ROUTER_STATS, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.head import pair_logps
 from llmtrain.stages.preference import (
     PairBatch,
     collate_pairs,
@@ -57,14 +57,11 @@ class DPOStage(Stage):
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.average = loss in AVERAGED_LOGPS
 
-    def logps(self, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen (P,), rejected (P,)) response log-probs (summed, or averaged for ipo), fp32."""
-        return self.logps_of(forward(**batch.rows.model_inputs()).logits, batch)
-
-    def logps_of(self, logits: torch.Tensor, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits (R, T, V): 1 packed row or 2P padded rows -> (chosen (P,), rejected (P,))."""
-        return batch.split(packed_sequence_logps(logits, batch.rows.labels, batch.sequence_ids, batch.num_sequences,
-                                                 average=self.average))
+    def logps(self, module, batch: PairBatch, route: bool = False):
+        """(chosen (P,), rejected (P,)) response log-probs (summed, or averaged for ipo), fp32; with `route` also the
+        MoE routers' term and statistics."""
+        sums, term, stats = pair_logps(module, batch, self.average, route)
+        return (batch.split(sums), term, stats) if route else batch.split(sums)
 
     @torch.no_grad()
     def reference_logps(self, reference, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +79,7 @@ class DPOStage(Stage):
             # The reference first: with LoRA it is the policy's own model (adapters off), so its no-grad forward
             # does not fall between the policy's forward and backward.
             reference_logps = self.reference_logps(reference, batch)
-            out, aux_term, router_stats = router_forward(module, batch.rows)  # MoE: + coef × router aux loss
-            policy = self.logps_of(out.logits, batch)
+            policy, aux_term, router_stats = self.logps(module, batch, route=True)  # MoE: + coef × router aux loss
             terms = self.terms(policy, reference_logps)
             stats = dpo_stat_sums(terms, *policy)
             if aux_term is None:

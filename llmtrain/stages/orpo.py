@@ -17,12 +17,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums, packed_sequence_logps
+from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
 from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
+from llmtrain.stages.head import pair_logps
 from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
 from llmtrain.stages.spec import ImplicitReward
 
@@ -67,9 +68,8 @@ class ORPOStage(Stage):
 
     def logps(self, forward, batch: ORPOPairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen summed (P,), chosen averaged (P,), rejected averaged (P,)) response log-probs, fp32: one forward."""
-        logits = forward(**batch.rows.model_inputs()).logits  # (R, T, V): 1 packed row or 2P padded rows
         labels, sequence_ids, n = batch.rows.labels, batch.sequence_ids, batch.num_sequences
-        sums = packed_sequence_logps(logits, labels, sequence_ids, n)  # (2P,)
+        sums = pair_logps(forward, batch, average=False)[0]  # (2P,)
         means = sums / sequence_target_counts(labels, sequence_ids, n).clamp(min=1)  # (2P,) as average=True
         return batch.split(sums)[0], *batch.split(means)
 

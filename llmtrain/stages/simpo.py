@@ -13,10 +13,11 @@ from functools import partial
 
 import torch
 
-from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums, packed_sequence_logps
+from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.reference_free import SimPOTerms, simpo_terms
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
+from llmtrain.stages.head import pair_logps
 from llmtrain.stages.preference import (
     PairBatch,
     collate_pairs,
@@ -48,9 +49,7 @@ class SimPOStage(Stage):
 
     def logps(self, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen (P,), rejected (P,)) length-averaged response log-probs, fp32."""
-        logits = forward(**batch.rows.model_inputs()).logits  # (R, T, V): 1 packed row or 2P padded rows
-        return batch.split(packed_sequence_logps(logits, batch.rows.labels, batch.sequence_ids, batch.num_sequences,
-                                                 average=True))
+        return batch.split(pair_logps(forward, batch, average=True)[0])
 
     def terms(self, logps: tuple[torch.Tensor, torch.Tensor]) -> SimPOTerms:
         return simpo_terms(*logps, beta=self.beta, gamma=self.gamma)

@@ -125,7 +125,7 @@ def test_recipe_from_a_path(tmp_path: Path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.fused_loss=true", "config: model.fused_loss is not a field of model; model has: name_or_path,"),
+    ("model.compile=true", "config: model.compile is not a field of model; model has: name_or_path,"),
     ("trainer.max_step=3", "did you mean trainer.max_steps?"),
     ("beta=1", "did you mean dpo.beta or simpo.beta or orpo.beta?"),
     ("backend.zero_stage=2", "backend.zero_stage is a field of the deepspeed backend (backend=deepspeed/zero0"),

@@ -17,9 +17,9 @@ import torch
 
 from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, token_rewards, whiten
 from llmtrain.losses.kl import KL_ESTIMATORS
-from llmtrain.losses.ppo import action_logps
 from llmtrain.models.heads import captured_token_scores
 from llmtrain.parallel import all_gather_rows, all_reduce_sum
+from llmtrain.stages.head import action_answer
 from llmtrain.stages.ppo.rollout import Rollout, model_inputs
 
 
@@ -110,8 +110,9 @@ class ExperienceSettings:
 def policy_logps(engine, mb: Experience, temperature: float) -> torch.Tensor:
     """(b, A) fp32 log-probs of the actions under the engine's model (0 off the mask)."""
     with engine.autocast():
-        logits = engine.module(**model_inputs(mb.sequences, mb.attention_mask)).logits  # (b, T, V)
-    return action_logps(logits, mb.sequences, mb.num_actions, temperature) * mb.action_mask
+        answer = action_answer(engine.module, model_inputs(mb.sequences, mb.attention_mask), mb.sequences,
+                               mb.num_actions, temperature)
+    return answer.logps * mb.action_mask
 
 
 def values_of(forward, model: torch.nn.Module, mb: Experience) -> torch.Tensor:

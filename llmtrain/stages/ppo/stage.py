@@ -20,9 +20,6 @@ import torch
 from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (
-    action_logits,
-    action_logps,
-    entropy_from_logits,
     explained_variance,
     policy_loss_terms,
     value_clipped,
@@ -30,6 +27,7 @@ from llmtrain.losses.ppo import (
 )
 from llmtrain.parallel import all_reduce_max
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.head import action_answer
 from llmtrain.stages.ppo.experience import (
     Experience,
     ExperienceSettings,
@@ -200,14 +198,14 @@ class PPOStage(Stage):
 
     def _policy_loss(self, module, mb: Experience, first_dev: list | None = None):
         u = self.update
-        full = module(**model_inputs(mb.sequences, mb.attention_mask)).logits  # (b, T, V)
-        logps = action_logps(full, mb.sequences, mb.num_actions, u.temperature)  # (b, A)
-        logits = action_logits(full, mb.num_actions)  # (b, A, V), a view
+        answer = action_answer(module, model_inputs(mb.sequences, mb.attention_mask), mb.sequences, mb.num_actions,
+                               u.temperature, entropy=True)
+        logps = answer.logps  # (b, A)
         mask = mb.action_mask
         old = logps.detach() if self.experience.old_logps_from_update else mb.old_logps
         terms = policy_loss_terms(logps, old, mb.advantages, mask, u.clip_eps)
         loss = terms.losses.sum()
-        entropy = entropy_from_logits(logits if u.entropy_coef > 0 else logits.detach(), u.temperature) * mask
+        entropy = (answer.entropy if u.entropy_coef > 0 else answer.entropy.detach()) * mask  # (b, A)
         if u.entropy_coef > 0:
             loss = loss - u.entropy_coef * entropy.sum()
         kl_loss = KL_ESTIMATORS[u.kl_estimator](logps, mb.ref_logps) * mask

@@ -1,0 +1,46 @@
+"""What the stages ask of the LM head, through the fused head-and-loss path (models/fused_head.py): one forward of
+the wrapped module each, MoE routers' aux loss included where the stage trains on it."""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.data.collate import Batch
+from llmtrain.losses.dpo import sequence_sums
+from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking, shifted_targets
+from llmtrain.models.moe import router_forward
+
+
+def lm_forward(module: torch.nn.Module, batch: Batch, query: HeadQuery, route: bool = False):
+    """-> (answer, MoE term or None, MoE statistics or None). route: ask an MoE model for its routers' aux loss."""
+    with asking(module, query) as ask:
+        if route:
+            out, term, stats = router_forward(module, batch, **ask.kwargs)
+        else:
+            out, term, stats = module(**batch.model_inputs(), **ask.kwargs), None, None
+    return ask.read(out.logits), term, stats
+
+
+def target_logps(module: torch.nn.Module, batch: Batch, route: bool = False, accuracy: bool = False):
+    """(answer with (B, T) log p of each target token (position t: label t + 1; 0 elsewhere), term, statistics)."""
+    return lm_forward(module, batch, HeadQuery(shifted_targets(batch.labels), accuracy=accuracy), route)
+
+
+def pair_logps(module: torch.nn.Module, batch, average: bool, route: bool = False):
+    """A PairBatch's sequences' summed (or averaged) response log-probs (2P,) fp32, and the MoE term and statistics."""
+    answer, term, stats = target_logps(module, batch.rows, route)
+    return sequence_sums(answer.logps, batch.rows.labels, batch.sequence_ids, batch.num_sequences, average), term, stats
+
+
+def action_answer(module: torch.nn.Module, inputs: dict, sequences: torch.Tensor, num_actions: int,
+                  temperature: float, entropy: bool = False) -> HeadAnswer:
+    """Rollout rows `sequences` (b, T) (`inputs`: their model inputs) whose last A tokens are actions -> log p of each
+    action (b, A), and its entropy (b, A) when asked, under softmax(logits / temperature); only the last A + 1
+    positions reach the head."""
+    if not 0 < num_actions < sequences.size(1):
+        raise ValueError(f"num_actions={num_actions} must be in [1, T) for T={sequences.size(1)} positions")
+    query = HeadQuery(action_targets(sequences, num_actions), temperature=temperature, entropy=entropy)
+    with asking(module, query) as ask:
+        out = module(**inputs, **ask.kwargs)
+    answer = ask.read(out.logits)  # (b, A + 1): the last position predicts nothing
+    return HeadAnswer(logps=answer.logps[:, :-1], entropy=None if answer.entropy is None else answer.entropy[:, :-1])
