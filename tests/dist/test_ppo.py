@@ -52,6 +52,16 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(root, eval_file)
 
 
+def test_reward_function_means_are_global(runs):
+    """GRPO's one reward function (llmtrain.rewards.reversal:score, weight 1, never None): its logged mean is the
+    step's global score over both ranks' responses, `score` (reduce_sums; the scores are fp32: 1e-6), not rank 0's
+    own mean (0.854 against 0.927 at step 1)."""
+    records = read_metrics(runs.get("grpo", "ddp"))[0]
+    assert len(records) == 4 and any(0 < r["score"] < 1 for r in records), records  # partial credit: ranks differ
+    for r in records:
+        assert r["score_fn_score"] == pytest.approx(r["score"], rel=1e-6), r
+
+
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
 def test_ppo_update_parity_with_ddp(runs, backend, assert_close_series):
     """Same prompts, same seeds: the rollouts, scores, KL and the actor's and critic's updates agree with DDP."""

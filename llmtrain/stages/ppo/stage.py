@@ -36,7 +36,14 @@ from llmtrain.stages.ppo.experience import (
     update_layout,
     values_of,
 )
-from llmtrain.stages.ppo.rewards import Completions, RewardFunction, ScoreShaping, combined_scores, reward_model_scores
+from llmtrain.stages.ppo.rewards import (
+    Completions,
+    RewardFunction,
+    ScoreShaping,
+    combined_scores,
+    reward_model_scores,
+    score_metrics,
+)
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
 
 POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss")
@@ -86,14 +93,17 @@ class PPOStage(Stage):
         return self.update.epochs * (samples // self.update.mini_batch_size)
 
     # ---- scores ----------------------------------------------------------------------------------
-    def raw_scores(self, rollout: Rollout, engines: dict) -> torch.Tensor:
+    def raw_scores(self, rollout: Rollout, engines: dict) -> tuple[torch.Tensor, dict]:
+        """(b,) scores, and each reward function's mean over every dp rank as `score_fn_<name>` ({}: a reward model)."""
         if self.reward_functions:
-            scores, _ = combined_scores(self.reward_functions, self.completions(rollout))
-            return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
+            scores, means = combined_scores(self.reward_functions, self.completions(rollout),
+                                            engines["actor"].dp_group)
+            return (torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device),
+                    score_metrics(self.reward_functions, means))
         rows = rollout.sequences.shape[0]
         size = self.experience.micro_batch_size
         return torch.cat([reward_model_scores(engines["reward"], rollout, slice(i, min(i + size, rows)))
-                          for i in range(0, rows, size)])
+                          for i in range(0, rows, size)]), {}
 
     def completions(self, rollout: Rollout) -> Completions:
         from transformers import TrainerState
@@ -111,14 +121,14 @@ class PPOStage(Stage):
         rollout = generate(actor, micro_batches[0], self.sampling, pad_token_id=self.tokenizer.pad_token_id,
                            eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank), group=actor.dp_group)
         rolled = time.perf_counter()
-        raw = self.raw_scores(rollout, engines)
+        raw, function_means = self.raw_scores(rollout, engines)
         gathered = gather_rollout(rollout, self.shaping.apply(raw, rollout.ended), actor.dp_group)
         layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
         first_epoch = [rows for mini_batch in layouts[0] for rows in mini_batch]
         experience = make_experience(gathered, engines, first_epoch, kl_coef, self.experience, group=actor.dp_group)
         made = time.perf_counter()
-        metrics = self._rollout_metrics(experience, raw, actor, kl_coef)
+        metrics = {**self._rollout_metrics(experience, raw, actor, kl_coef), **function_means}
         self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
         metrics.update(self._update(experience, engines, updater, layouts))
         done = time.perf_counter()
@@ -235,7 +245,7 @@ class PPOStage(Stage):
         for batch in batches:
             rollout = generate(actor, batch, self.eval_sampling, pad_token_id=self.tokenizer.pad_token_id,
                                eos_ids=self.eos_ids, seed=self._seed("eval", actor.dp_rank), group=actor.dp_group)
-            scores = self.raw_scores(rollout, engines).double()
+            scores = self.raw_scores(rollout, engines)[0].double()
             real = rollout.real.double()
             exact = torch.zeros_like(real)
             if REFERENCE in rollout.columns:
