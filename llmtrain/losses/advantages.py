@@ -135,8 +135,10 @@ def gae_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grpo_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
-    """GRPO: every action token of a sample gets its group-normalised score; no critic, no returns."""
-    advantages = group_advantages(inputs.scores, inputs.group_size)  # (B,)
+    """GRPO: every action token of a sample gets its group-normalised return; no critic, no returns kept. The return
+    is the sum of the token rewards: the score, minus β·ΣKL when the KL is in the reward (as verl), exactly the score
+    otherwise (the other tokens' rewards are 0)."""
+    advantages = group_advantages(inputs.token_rewards.sum(dim=1), inputs.group_size)  # (B,)
     return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
 
 

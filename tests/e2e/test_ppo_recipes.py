@@ -125,3 +125,21 @@ def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(tmp_path)
     reference = json.loads((out / "checkpoints" / "step_2" / "engines" / "reference" / "frozen.json").read_text())
     assert reference.get("adapter_off_of") == "actor"
     assert (out / "adapter").is_dir() and (out / "critic_hf").is_dir()
+
+
+def test_grpo_at_beta_zero_builds_no_reference_and_an_adaptive_beta_moves(tmp_path):
+    """β = 0 (fixed): no reference role is built, saved or run, and the KL is 0 (TRL builds none either). An adaptive
+    β with the KL as a loss term starts at ppo.kl.coef and moves with the KL the update measures (it started at 0 and
+    stayed there)."""
+    free, adaptive = tmp_path / "free", tmp_path / "adaptive"
+    assert_ok(run_cli(["recipe=grpo_tiny", *SHORT, "ppo.kl.coef=0", f"output_dir={free}"]))
+    train, _ = read_metrics(free)
+    assert [r["kl"] for r in train] == [0.0, 0.0] and all("kl_loss" not in r for r in train)
+    assert sorted(p.name for p in (free / "checkpoints" / "step_2" / "engines").iterdir()) == ["actor"]
+    assert_ok(run_cli(["recipe=grpo_tiny", *SHORT, "trainer.max_steps=3", "ppo.kl.coef=0.05", "ppo.kl.target=1e-6",
+                       "ppo.kl.horizon=160", "optim.lr=1e-3", f"output_dir={adaptive}"]))
+    train, _ = read_metrics(adaptive)
+    # step 1's update starts at the reference (KL 0 < target: β × 0.96 for 32 samples); then it moved (KL > target)
+    assert train[0]["kl_coef"] == 0.05 and train[0]["kl"] == 0 and train[1]["kl"] > 1e-6
+    assert train[1]["kl_coef"] == pytest.approx(0.05 * 0.96)
+    assert train[2]["kl_coef"] == pytest.approx(0.05 * 0.96 * 1.04)

@@ -152,6 +152,8 @@ def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
     (["ppo.reward.normalize=true"], "ppo.reward.normalize=true"),
     (["data=reverse_prefs"], "data.format='preference'"),
     (["backend=fsdp2_tp"], "backend.tp=2"),
+    (["ppo.kl.in_reward=false"], "ppo.kl.estimator=k1 as a loss term"),  # ppo's default estimator: no gradient
+    (["ppo.kl.coef=0", "ppo.kl.target=0.1"], "ppo.kl.coef, which is 0 and would stay 0"),
 ])
 def test_bad_ppo_configs_name_the_field_and_the_fix(overrides, message):
     cfg = compose_config(["recipe=ppo_tiny", *overrides])
@@ -267,3 +269,54 @@ def test_reward_function_means_are_global_over_the_data_parallel_ranks(tmp_path)
     assert ranks[0]["metrics"] == {"score_fn_length": 4.0, "score_fn_only_short": 1.0}
     assert [r["totals"] for r in ranks] == [[0.5 * 2 + 2.0, 0.5 * 4], [0.5 * 6]]  # each rank's own responses
     assert all("reward function my_rewards:never scored none of the step's responses" in r["error"] for r in ranks)
+
+
+# ---- the KL: in the reward under GRPO, the adaptive coefficient in the loss, no reference at β = 0 (issue 21) -------
+
+def test_grpo_with_the_kl_in_the_reward_normalises_the_penalised_returns():
+    """kl.in_reward=true under GRPO: each sample's return is its score − β·ΣKL, group-normalised (verl's
+    use_kl_in_reward); the advantages move with β (they were the same at β = 0 and 50) and equal the hand
+    computation."""
+    from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, group_advantages, token_rewards
+
+    g = torch.Generator().manual_seed(0)
+    scores, kl = torch.rand(8, generator=g), torch.rand(8, 5, generator=g)
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    advantages = {}
+    for beta in (0.0, 50.0):
+        inputs = AdvantageInputs(token_rewards=token_rewards(kl, scores, mask, beta), values=None, mask=mask,
+                                 scores=scores, group_size=4, gamma=1.0, lam=1.0)
+        advantages[beta] = ADVANTAGE_ESTIMATORS["grpo"](inputs)[0]
+        expected = group_advantages(scores - beta * (kl * mask).sum(-1), 4)
+        torch.testing.assert_close(advantages[beta], torch.where(mask, expected.unsqueeze(1), 0.0))
+    assert torch.equal(advantages[0.0][:, 0], group_advantages(scores, 4))  # without the KL: exactly the scores'
+    assert not torch.allclose(advantages[0.0], advantages[50.0])
+
+
+def grpo_stage(*overrides):
+    from llmtrain.models.load import load_tokenizer
+    from llmtrain.stages.registry import build_stage
+
+    cfg = compose_config(["recipe=grpo_tiny", *overrides])
+    validate(cfg, world_size=1)
+    return build_stage(cfg, load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False), "sdpa")
+
+
+def test_the_kl_coefficient_of_the_loss_term_is_the_controllers():
+    """kl.in_reward=false: the controller starts at ppo.kl.coef (it started at 0 and stayed there with a target)
+    and the loss term's β is its value, fixed or adaptive."""
+    fixed = grpo_stage()
+    assert fixed.kl_controller.value == 0.01 and fixed.update.kl_in_loss  # grpo_tiny: β = 0.01 (it was 0)
+    adaptive = grpo_stage("ppo.kl.target=0.01")
+    assert adaptive.kl_controller.value == 0.01
+    adaptive.kl_controller.update(0.02, 100)  # twice the target: β grows
+    assert adaptive.kl_controller.value > 0.01
+
+
+def test_no_reference_role_when_beta_is_zero():
+    from llmtrain.stages.registry import stage_roles
+
+    assert "reference" in stage_roles(compose_config(["recipe=grpo_tiny"]))
+    assert sorted(stage_roles(compose_config(["recipe=grpo_tiny", "ppo.kl.coef=0"]))) == ["actor"]
+    assert "reference" in stage_roles(compose_config(["recipe=ppo_tiny", "ppo.kl.coef=0", "ppo.kl.target=0.1"]))

@@ -36,11 +36,18 @@ def ppo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
     if needs_critic.get(p.advantage, False):
         critic_source = reward_source if p.critic.init == "reward" else source  # policy: a fresh, seeded value head
         roles["critic"] = RoleSpec(critic_source, head="scalar", trainable=True, lr=p.critic.lr)
-    # under peft=lora: the actor with its adapters off (no second copy of the base); else a frozen copy
-    roles["reference"] = RoleSpec(source, head="lm", trainable=False, adapter_off_of="actor")
+    # under peft=lora: the actor with its adapters off (no second copy of the base); else a frozen copy. None when
+    # β = 0 and fixed: nothing reads its log-probs (TRL builds none either)
+    if uses_reference(p.kl):
+        roles["reference"] = RoleSpec(source, head="lm", trainable=False, adapter_off_of="actor")
     if reward_source is not None:
         roles["reward"] = RoleSpec(reward_source, head="scalar", trainable=False)
     return roles
+
+
+def uses_reference(kl) -> bool:
+    """A KL term exists: a coefficient above 0, or an adaptive controller (which starts from it)."""
+    return kl.coef > 0 or kl.target is not None
 
 
 def attention_for_rollouts(attn_implementation: str) -> str:
@@ -96,7 +103,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
         old_logps_from_update=old_logps_from_update(p))
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
-                            kl_loss_coef=0.0 if p.kl.in_reward else p.kl.coef, kl_estimator=p.kl.estimator,
+                            kl_in_loss=not p.kl.in_reward, kl_estimator=p.kl.estimator,
                             temperature=rollout.temperature)
     shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty,
                            statistics=reward_model_statistics(r.model) if r.normalize else None)
@@ -105,7 +112,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                           "model trained by llmtrain's stage=reward exports them); set ppo.reward.normalize=false")
     stage = PPOStage(ppo_roles(cfg, source), tokenizer, sampling=sampling, eval_sampling=eval_sampling,
                      experience=experience, update=update,
-                     kl_controller=build_kl_controller(p.kl.coef if p.kl.in_reward else 0.0, p.kl.target, p.kl.horizon),
+                     kl_controller=build_kl_controller(p.kl.coef, p.kl.target, p.kl.horizon),
                      shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
                      stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation))

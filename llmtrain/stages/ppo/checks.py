@@ -119,6 +119,13 @@ def _value_problems(p: Any, rollout: Any, kl: Any) -> list[str]:
                         f"{p.value_coef} > 0")
     if kl.target is not None and not kl.target > 0:
         problems.append(f"ppo.kl.target={kl.target} must be > 0 (or null: a fixed coefficient)")
+    if kl.target is not None and kl.coef == 0:
+        problems.append(f"ppo.kl.target={kl.target}: the adaptive controller scales ppo.kl.coef, which is 0 and would "
+                        "stay 0; set an initial ppo.kl.coef > 0 (e.g. 0.05)")
+    if not kl.in_reward and kl.estimator == "k1" and (kl.coef > 0 or kl.target is not None):
+        problems.append("ppo.kl.estimator=k1 as a loss term (ppo.kl.in_reward=false): the gradient of log π − log ref "
+                        "averages to zero on samples of π, so nothing would pull the policy towards the reference; "
+                        "use ppo.kl.estimator=k3 (GRPO's) or k2, or ppo.kl.in_reward=true")
     if kl.horizon < 1:
         problems.append(f"ppo.kl.horizon={kl.horizon} must be >= 1")
     for role in ("actor", "critic"):

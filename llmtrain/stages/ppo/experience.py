@@ -135,7 +135,8 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
         width = mb.num_actions
         if not settings.old_logps_from_update:
             old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature)
-        ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature)
+        if "reference" in engines:  # none when β = 0: the KL is then 0
+            ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature)
         if "critic" in engines:
             critic = engines["critic"]
             with torch.no_grad(), critic.autocast():
@@ -143,7 +144,7 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     old, ref, values = all_reduce_sum(torch.stack([old, ref, values]), group).unbind()  # each row from one rank
     mask = exp.action_mask
     kl = KL_ESTIMATORS[settings.kl_estimator](old, ref) * mask  # (B, A)
-    if settings.old_logps_from_update:
+    if settings.old_logps_from_update or "reference" not in engines:
         kl = torch.zeros_like(kl)  # not in the reward; the update logs it from its own forward
     rewards = token_rewards(kl, exp.scores, mask, kl_coef if settings.kl_in_reward else 0.0)
     advantages, returns = ADVANTAGE_ESTIMATORS[settings.advantage](AdvantageInputs(

@@ -58,7 +58,7 @@ class UpdateSettings:
     value_clip_eps: float | None
     value_coef: float
     entropy_coef: float
-    kl_loss_coef: float  # β of the KL loss term (GRPO); 0 when the KL is in the reward
+    kl_in_loss: bool  # β·KL is a loss term (GRPO), with β the KL controller's current value; else in the reward
     kl_estimator: str
     temperature: float
 
@@ -79,6 +79,8 @@ class PPOStage(Stage):
         self.collate = partial(collate_prompts, pad_token_id=tokenizer.pad_token_id)
         self.eos_ids = list(stop_ids)  # every token a reply ends with (models/stop_tokens.py): eos, end of turn
         self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
+        self.has_reference = "reference" in roles  # none when β = 0 (build.uses_reference)
+        self.kl_loss_coef = 0.0  # this iteration's β of the KL loss term (the controller's value; 0: KL in reward)
 
     # ---- data layout -----------------------------------------------------------------------------
     def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
@@ -125,12 +127,14 @@ class PPOStage(Stage):
         gathered = gather_rollout(rollout, self.shaping.apply(raw, rollout.ended), actor.dp_group)
         layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
+        self.kl_loss_coef = kl_coef if self.update.kl_in_loss else 0.0
         first_epoch = [rows for mini_batch in layouts[0] for rows in mini_batch]
         experience = make_experience(gathered, engines, first_epoch, kl_coef, self.experience, group=actor.dp_group)
         made = time.perf_counter()
         metrics = {**self._rollout_metrics(experience, raw, actor, kl_coef), **function_means}
-        self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
         metrics.update(self._update(experience, engines, updater, layouts))
+        # after the update: on-policy GRPO measures the KL in the update's own forward
+        self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
         done = time.perf_counter()
         metrics.update(time_rollout_s=rolled - start, time_experience_s=made - rolled, time_update_s=done - made,
                        time_gather_s=rollout.gather_s, generation_share=(rolled - start) / (done - start),
@@ -157,7 +161,8 @@ class PPOStage(Stage):
         n = exp.sequences.shape[0]
         score_mean = raw_sum / n
         return {"score": score_mean, "score_std": max(raw_sq / n - score_mean ** 2, 0.0) ** 0.5,
-                "reward": (exp.scores - kl_coef * kl_seq).mean().item(), "kl": kl_seq.mean().item(),
+                "reward": (exp.scores - (0.0 if self.update.kl_in_loss else kl_coef) * kl_seq).mean().item(),
+                "kl": kl_seq.mean().item(),
                 "kl_token": (kl_seq.sum() / lengths.sum().clamp(min=1)).item(), "kl_coef": kl_coef,
                 "response_len": lengths.mean().item(),
                 "eos_rate": (exp.action_mask.any(-1) & self._ended(exp)).float().mean().item()}
@@ -196,7 +201,7 @@ class PPOStage(Stage):
                    "clip_frac": sums["clipped"] / tokens, "approx_kl": sums["approx_kl"] / tokens,
                    "entropy": sums["entropy"] / tokens, "first_ratio_dev": first_ratio_dev,
                    "lr": last.lr, "grad_norm": last.grad_norm}
-        if self.update.kl_loss_coef > 0:
+        if self.kl_loss_coef > 0:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
         if self.experience.old_logps_from_update:  # the KL to the reference, from the update's forward
             sequences = exp.sequences.shape[0]
@@ -218,9 +223,10 @@ class PPOStage(Stage):
         entropy = (answer.entropy if u.entropy_coef > 0 else answer.entropy.detach()) * mask  # (b, A)
         if u.entropy_coef > 0:
             loss = loss - u.entropy_coef * entropy.sum()
-        kl_loss = KL_ESTIMATORS[u.kl_estimator](logps, mb.ref_logps) * mask
-        if u.kl_loss_coef > 0:
-            loss = loss + u.kl_loss_coef * kl_loss.sum()
+        kl_loss = KL_ESTIMATORS[u.kl_estimator](logps, mb.ref_logps) * mask if self.has_reference \
+            else torch.zeros_like(logps)
+        if self.kl_loss_coef > 0:
+            loss = loss + self.kl_loss_coef * kl_loss.sum()
         if first_dev is not None:
             # against the old log-probs the ratio uses: on-policy (old_logps_from_update) the experience never
             # filled mb.old_logps (zeros), and the ratio is 1 by construction
