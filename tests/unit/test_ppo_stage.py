@@ -320,3 +320,36 @@ def test_no_reference_role_when_beta_is_zero():
     assert "reference" in stage_roles(compose_config(["recipe=grpo_tiny"]))
     assert sorted(stage_roles(compose_config(["recipe=grpo_tiny", "ppo.kl.coef=0"]))) == ["actor"]
     assert "reference" in stage_roles(compose_config(["recipe=ppo_tiny", "ppo.kl.coef=0", "ppo.kl.target=0.1"]))
+
+
+def test_generation_in_batches_gives_the_same_greedy_rollout():
+    """ppo.rollout.generation_batch_size: the rank's sequences go through generate a few at a time (the KV cache of
+    only that many at once); greedy, the rollout equals the one-call rollout (rows cut short pad after their EOS)."""
+    from llmtrain.backends.ddp import DDPBackend
+    from llmtrain.parallel import DistContext
+    from llmtrain.stages.ppo.rollout import SamplingSettings, generate
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    actor = DDPBackend(DistContext(0, 0, 1, torch.device("cpu")), "fp32").wrap(model, None)
+    g = torch.Generator().manual_seed(1)
+    batch = collate_prompts([{"prompt_ids": torch.randint(2, 64, (n,), generator=g).tolist(), "prompt": str(n),
+                              "columns": {}} for n in (3, 7, 5, 4, 6)], pad_token_id=0)
+    def rollout(size: int, eos_ids: list[int]):
+        return generate(actor, batch, SamplingSettings(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=2,
+                                                       batch_size=size), pad_token_id=0, eos_ids=eos_ids, seed=3)
+
+    eos = int(rollout(0, [1]).responses[0, 2])  # a token the first prompt's greedy reply produces early
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    whole, whole_rows = rollout(0, [eos]), set(rows)
+    rows.clear()
+    batched = rollout(3, [eos])
+    hook.remove()
+    assert whole_rows == {10} and set(rows) == {3, 1}  # 10 sequences: 3 + 3 + 3 + 1 per forward
+    assert whole.ended.any() and whole.action_mask.sum(-1).min() < 12  # some rows stop early
+    for field in ("sequences", "attention_mask", "action_mask", "ended"):
+        assert torch.equal(getattr(whole, field), getattr(batched, field)), field

@@ -93,9 +93,11 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     r, rollout = p.reward, p.rollout
     sampling = SamplingSettings(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                 top_p=rollout.top_p, top_k=rollout.top_k,
-                                n_samples_per_prompt=rollout.n_samples_per_prompt, use_cache=rollout.use_cache)
+                                n_samples_per_prompt=rollout.n_samples_per_prompt, use_cache=rollout.use_cache,
+                                batch_size=rollout.generation_batch_size)
     eval_sampling = SamplingSettings(max_new_tokens=rollout.eval_max_new_tokens or rollout.max_new_tokens,
-                                     temperature=0.0, use_cache=rollout.use_cache)
+                                     temperature=0.0, use_cache=rollout.use_cache,
+                                     batch_size=rollout.generation_batch_size)
     experience = ExperienceSettings(
         temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,

@@ -106,6 +106,9 @@ def _value_problems(p: Any, rollout: Any, kl: Any) -> list[str]:
                         "held-out eval is greedy already)")
     if not 0 < rollout.top_p <= 1:
         problems.append(f"ppo.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if rollout.generation_batch_size < 0:
+        problems.append(f"ppo.rollout.generation_batch_size={rollout.generation_batch_size} must be >= 0 (0: a rank's "
+                        "sequences in one generate call)")
     if rollout.top_k < 0 or rollout.max_new_tokens < 1 or rollout.n_samples_per_prompt < 1:
         problems.append("ppo.rollout.top_k must be >= 0, max_new_tokens and n_samples_per_prompt >= 1 "
                         f"(got {rollout.top_k}, {rollout.max_new_tokens}, {rollout.n_samples_per_prompt})")

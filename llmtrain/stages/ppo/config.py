@@ -39,6 +39,7 @@ class PPORolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     use_cache: bool = True  # the KV cache during generation (the benchmark measures without it)
+    generation_batch_size: int = 0  # sequences per generate call on each rank (bounds the KV cache); 0: all at once
     eval_max_new_tokens: Optional[int] = None  # greedy held-out generation; null: max_new_tokens
 
 

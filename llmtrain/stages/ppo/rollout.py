@@ -33,6 +33,7 @@ class SamplingSettings:
     top_k: int = 0  # 0: off
     n_samples_per_prompt: int = 1
     use_cache: bool = True
+    batch_size: int = 0  # sequences per `generate` call on a rank (their KV cache at once); 0: all of the rank's
 
 
 @dataclass
@@ -130,8 +131,12 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
         gather_s = time.perf_counter() - start
         torch.manual_seed(seed)
         with actor.autocast(), neutral_generation_config(model):
-            out = model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
-                                 generation_config=generation_config(settings, pad_token_id, eos_ids))
+            config = generation_config(settings, pad_token_id, eos_ids)
+            size = settings.batch_size or ids.shape[0]
+            outs = [model.generate(input_ids=ids[i:i + size], attention_mask=mask[i:i + size], synced_gpus=False,
+                                   generation_config=config) for i in range(0, ids.shape[0], size)]
+    longest = max(out.shape[1] for out in outs)  # a shorter call's rows all ended: pad after their EOS
+    out = torch.cat([F.pad(out, (0, longest - out.shape[1]), value=pad_token_id) for out in outs])
     responses = out[:, width:]  # (B, a): this rank's longest response sets a
     eos = torch.tensor(eos_ids, device=responses.device)
     action_mask = up_to_first_eos(responses, eos)
