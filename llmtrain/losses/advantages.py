@@ -82,8 +82,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, torch.where(mask, advantages + v, 0.0)
 
 
+SCALE_REWARDS = ("group", "batch", "none")
+
+
 @torch.no_grad()
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
     """GRPO (Shao et al. 2024): (N,) scores -> (N,) (score − group mean) / (group std + eps).
 
     Sample i answers prompt i // group_size, so a group is a consecutive run of `group_size`
@@ -91,14 +94,41 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4) -
     As TRL 1.16's GRPOTrainer with its default scale_rewards="group": the std is the unbiased one
     (Bessel, ÷ (n − 1), its `nanstd`), eps = 1e-4 is added to the std (not the variance), in fp32.
     A group of one sample has std 0 by convention (TRL does the same), so its advantage is 0, not NaN.
-    Not here: scale_rewards="batch" / "none" and NaN (unscorable) scores.
+    scale="batch": the std of the whole batch instead (TRL's scale_rewards="batch"); "none": only the group mean is
+    subtracted (Dr. GRPO: dividing by a group's std weighs nearly-solved prompts up). Not here: NaN scores.
     """
     if group_size < 1 or scores.numel() % group_size:
         raise ValueError(f"{scores.numel()} scores do not split into groups of group_size={group_size}")
     grouped = scores.float().view(-1, group_size)  # (N / K, K)
     mean = grouped.mean(dim=1, keepdim=True)  # (N / K, 1)
-    std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # unbiased
+    if scale == "none":
+        return (grouped - mean).view(-1)
+    if scale == "batch":
+        std = scores.float().std().expand_as(mean) if scores.numel() > 1 else torch.zeros_like(mean)
+    else:
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # unbiased
     return ((grouped - mean) / (std + eps)).view(-1)  # (N,)
+
+
+def last_action(mask: torch.Tensor) -> torch.Tensor:
+    """(B, A) bool action mask -> (B, A) bool: its last True per row (none for a row without actions)."""
+    num_actions = mask.size(1)
+    last = num_actions - 1 - mask.flip(1).long().argmax(dim=1)  # (B,) index of the last True
+    return F.one_hot(last, num_actions).bool() & mask.any(dim=1, keepdim=True)
+
+
+@torch.no_grad()
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """(B, A) token rewards -> (B, A) G_t = Σ_{k ≥ t} γ^(k−t)·r_k over the action tokens, 0 outside the mask
+    (OpenRLHF's get_cumulative_returns)."""
+    r = torch.where(mask, rewards.float(), 0.0)
+    running = torch.zeros_like(r[:, 0])
+    columns = []
+    for t in reversed(range(r.size(1))):
+        running = r[:, t] + gamma * running
+        columns.append(running)
+    returns = torch.stack(columns[::-1], dim=1) if columns else torch.zeros_like(r)
+    return torch.where(mask, returns, 0.0)
 
 
 @torch.no_grad()
@@ -110,10 +140,7 @@ def token_rewards(kl: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, kl
     generation was cut off); a row without action tokens gets nothing.
     """
     rewards = torch.where(mask, -kl_coef * kl.float(), 0.0)  # (B, A)
-    num_actions = mask.size(1)
-    last = num_actions - 1 - mask.flip(1).long().argmax(dim=1)  # (B,) index of the last True
-    at_last = F.one_hot(last, num_actions).bool() & mask.any(dim=1, keepdim=True)  # (B, A)
-    return rewards + torch.where(at_last, scores.float().unsqueeze(1), 0.0)
+    return rewards + torch.where(last_action(mask), scores.float().unsqueeze(1), 0.0)
 
 
 @dataclass(frozen=True)
@@ -123,8 +150,9 @@ class AdvantageInputs:
     mask: torch.Tensor  # (B, A) bool action mask
     scores: torch.Tensor  # (B,) sequence scores (no KL); B = prompts × group_size, groups consecutive
     group_size: int  # samples per prompt
-    gamma: float  # discount (GAE)
+    gamma: float  # discount (GAE, REINFORCE++)
     lam: float  # GAE λ
+    scale_rewards: str = "group"  # grpo: group | batch | none (SCALE_REWARDS)
 
 
 def gae_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,13 +166,51 @@ def grpo_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
     """GRPO: every action token of a sample gets its group-normalised return; no critic, no returns kept. The return
     is the sum of the token rewards: the score, minus β·ΣKL when the KL is in the reward (as verl), exactly the score
     otherwise (the other tokens' rewards are 0)."""
-    advantages = group_advantages(inputs.token_rewards.sum(dim=1), inputs.group_size)  # (B,)
+    advantages = group_advantages(inputs.token_rewards.sum(dim=1), inputs.group_size,
+                                  scale=inputs.scale_rewards)  # (B,)
     return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
+
+
+def rloo_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """RLOO (Ahmadian et al. 2024, TRL's RLOOTrainer): each sample's return minus the mean return of the other K − 1
+    samples of its group, on every action token. Returns as grpo's (score − β·ΣKL in the reward)."""
+    k = inputs.group_size
+    if k < 2 or inputs.scores.numel() % k:
+        raise ValueError(f"rloo needs groups of at least 2 samples, got group_size={k} for {inputs.scores.numel()}")
+    returns = inputs.token_rewards.sum(dim=1).view(-1, k)  # (N / K, K)
+    baseline = (returns.sum(dim=1, keepdim=True) - returns) / (k - 1)  # (N / K, K) leave-one-out mean
+    advantages = (returns - baseline).view(-1)  # (N,)
+    return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
+
+
+def reinforce_pp_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ (Hu 2025, OpenRLHF's "reinforce"): the discounted return-to-go of the token rewards (−β·KL per
+    token, the score at the last), no critic and no group baseline; ppo.whiten_advantages normalises it over the
+    global batch, as the method does."""
+    return discounted_returns(inputs.token_rewards, inputs.mask, inputs.gamma), None
+
+
+def reinforce_pp_baseline_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ with a baseline (OpenRLHF's "reinforce_baseline"): the score minus its group's mean score (the KL
+    tokens untouched), then the return-to-go, normalised over the global batch by ppo.whiten_advantages."""
+    k = inputs.group_size
+    if inputs.scores.numel() % k:
+        raise ValueError(f"{inputs.scores.numel()} scores do not split into groups of group_size={k}")
+    group_mean = inputs.scores.float().view(-1, k).mean(dim=1, keepdim=True).expand(-1, k).reshape(-1)  # (N,)
+    shifted = inputs.token_rewards - torch.where(last_action(inputs.mask), group_mean.unsqueeze(1), 0.0)
+    return discounted_returns(shifted, inputs.mask, inputs.gamma), None
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]] = {
     "gae": gae_estimator,
     "grpo": grpo_estimator,
+    "rloo": rloo_estimator,
+    "reinforce_pp": reinforce_pp_estimator,
+    "reinforce_pp_baseline": reinforce_pp_baseline_estimator,
 }
 # Whether an estimator reads `values`, i.e. whether the stage must build and train a critic.
-needs_critic: dict[str, bool] = {"gae": True, "grpo": False}
+needs_critic: dict[str, bool] = {"gae": True, "grpo": False, "rloo": False, "reinforce_pp": False,
+                                 "reinforce_pp_baseline": False}
+# Whether it compares the samples of a prompt (ppo.rollout.n_samples_per_prompt >= 2).
+needs_groups: dict[str, bool] = {"gae": False, "grpo": True, "rloo": True, "reinforce_pp": False,
+                                 "reinforce_pp_baseline": True}

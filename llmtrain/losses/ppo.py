@@ -61,22 +61,39 @@ class PolicyTerms(NamedTuple):
     ratio: torch.Tensor  # (B, A) π / π_old (after the log-ratio clamp); detached
 
 
+RATIO_LEVELS = ("token", "sequence")
+
+
 def policy_loss_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      clip_eps: float, log_ratio_clamp: float = 20.0) -> PolicyTerms:
-    """PPO's clipped surrogate (Schulman et al. 2017), per token: max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)).
+                      clip_eps: float, log_ratio_clamp: float = 20.0, *, clip_eps_high: float | None = None,
+                      clip_ratio_c: float | None = None, ratio_level: str = "token") -> PolicyTerms:
+    """PPO's clipped surrogate (Schulman et al. 2017), per token: max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)).
 
     ρ = exp(clamp(log π − log π_old, ±log_ratio_clamp)): the clamp only matters for a diverged policy
     (e^20 ≈ 5e8), where it keeps the loss finite; a clamped ratio has no gradient, as a clipped one.
     On the first step on fresh samples log π == log π_old, so ρ is exactly 1 and the loss is −A.
     approx_kl is k2, the estimator TRL's PPOTrainer logged as `approxkl` (0.5 · mean(logprob_diff²));
     that trainer is gone from TRL 1.16.
+    - clip_eps_high: DAPO's clip-higher (ε_high > ε_low = clip_eps lets unlikely tokens rise); None: clip_eps.
+    - clip_ratio_c: dual-clip (Ye et al. 2020, verl): for A < 0 the loss is also capped at −A·c (c > 1), so a huge
+      ratio on a bad token cannot blow the step up.
+    - ratio_level="sequence": GSPO (Zheng et al. 2025, GSPO-token as verl): every token of a sequence takes the
+      sequence's ratio exp(mean_t(log π − log π_old)) as its value, with log π_t's own gradient.
     """
     log_ratio = logp.float() - old_logp.float()  # (B, A)
+    if ratio_level == "sequence":
+        lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
+        mean_log_ratio = torch.where(mask, log_ratio, 0.0).sum(dim=-1, keepdim=True) / lengths  # (B, 1)
+        log_ratio = logp.float() - logp.float().detach() + mean_log_ratio.detach()  # value: the sequence's
     ratio = torch.exp(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))  # (B, A)
     adv = advantages.float()
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -adv * ratio  # (B, A)
-    clipped_branch = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (B, A)
-    losses = torch.where(mask, torch.maximum(unclipped, clipped_branch), 0.0)
+    clipped_branch = -adv * ratio.clamp(1 - clip_eps, 1 + high)  # (B, A)
+    pessimistic = torch.maximum(unclipped, clipped_branch)
+    if clip_ratio_c is not None:
+        pessimistic = torch.where(adv < 0, torch.minimum(pessimistic, -adv * clip_ratio_c), pessimistic)
+    losses = torch.where(mask, pessimistic, 0.0)
     clipped = mask & (clipped_branch > unclipped)
     approx_kl = torch.where(mask, 0.5 * log_ratio.detach() ** 2, 0.0)
     return PolicyTerms(losses, clipped, approx_kl, ratio.detach())
@@ -133,3 +150,27 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     var_returns = variance(returns)
     ratio = variance(returns - values) / var_returns
     return torch.where(var_returns > 0, 1 - ratio, float("nan")).float()
+
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+def aggregation_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """How the per-token losses of a micro-batch add up (verl's loss_agg_mode): ((B, A) fp32 weight per token, the
+    count the step divides the weighted sum by, summed over micro-batches and ranks).
+    token_mean: every action token of the mini-batch alike (TRL's "dapo"): weight 1, count tokens.
+    seq_mean_token_mean: each sequence's mean, then the mean over sequences (TRL's "grpo"): 1 / its length, sequences.
+    seq_mean_token_sum: each sequence's sum, mean over sequences: 1, sequences.
+    seq_mean_token_sum_norm: Dr. GRPO, the sum over a constant max_new_tokens: 1 / max_new_tokens, sequences.
+    Sequences without an action token count for nothing."""
+    lengths = mask.sum(dim=-1, keepdim=True)  # (B, 1)
+    sequences = int((lengths > 0).sum())
+    if loss_agg == "token_mean":
+        return mask.float(), int(mask.sum())
+    if loss_agg == "seq_mean_token_mean":
+        return mask.float() / lengths.clamp(min=1), sequences
+    if loss_agg == "seq_mean_token_sum":
+        return mask.float(), sequences
+    if loss_agg == "seq_mean_token_sum_norm":
+        return mask.float() / max_new_tokens, sequences
+    raise ValueError(f"loss_agg={loss_agg!r} is not one of {', '.join(LOSS_AGGREGATIONS)}")

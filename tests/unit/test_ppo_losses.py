@@ -195,10 +195,28 @@ def test_policy_loss_clips_both_sides_by_hand():
 
 
 def test_first_ratio_is_exactly_one():
+    """The old log-probs from the experience's forward (eval mode, no grad) and the update's (train mode, with grad,
+    through the fused head) of the same weights are bitwise equal, so the first ratio is exactly 1 and the loss −A."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmtrain.models.fused_head import install
+    from llmtrain.stages.head import action_answer
+    from llmtrain.stages.ppo.rollout import model_inputs
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
-    logp, adv = torch.randn(3, 4), torch.randn(3, 4)
-    mask = torch.ones(3, 4, dtype=torch.bool)
-    terms = policy_loss_terms(logp, logp.clone(), adv, mask, 0.2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    install(model, chunk_tokens=5)
+    sequences = torch.randint(1, 64, (3, 10))
+    attention = torch.ones_like(sequences)
+    attention[0, :3] = 0  # a left-padded prompt
+    inputs = model_inputs(sequences, attention)
+    with torch.no_grad():
+        old = action_answer(model.eval(), inputs, sequences, 4, temperature=0.7).logps
+    logp = action_answer(model.train(), inputs, sequences, 4, temperature=0.7).logps
+    adv, mask = torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool)
+    terms = policy_loss_terms(logp, old, adv, mask, 0.2)
     assert torch.equal(terms.ratio, torch.ones(3, 4))
     assert torch.equal(terms.losses, -adv)
     assert not terms.clipped.any() and torch.equal(terms.approx_kl, torch.zeros(3, 4))
@@ -334,13 +352,15 @@ def test_entropy_equals_minus_sum_p_log_p():
 # TRL's GRPOTrainer._compute_loss is called unbound on a stand-in with the attributes it reads; the
 # model forward is replaced by fixed per-token log-probs, so only the loss maths is compared.
 
-def trl_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, loss_type, beta, bias_correction, eps=0.2):
+def trl_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, loss_type, beta, bias_correction, eps=0.2,
+                  eps_high=None, level="token", trl_loss=None):
     grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is the reference implementation")
     batch = logp.size(0)
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
-        beta=beta, loss_type=loss_type, epsilon_low=eps, epsilon_high=eps, use_vllm=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level,
+        beta=beta, loss_type=loss_type, epsilon_low=eps, epsilon_high=eps if eps_high is None else eps_high,
+        use_vllm=False, max_completion_length=mask.size(1),
         args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None, steps_per_generation=1),
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         accelerator=SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x,
@@ -351,6 +371,8 @@ def trl_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, loss_type, beta
               "advantages": advantages, "old_per_token_logps": old_logp, "ref_per_token_logps": ref_logp,
               "num_items_in_batch": mask.sum()}
     loss = grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
+    if trl_loss is not None:
+        trl_loss.append(loss)
     return loss.item(), {name: values[-1] for name, values in trainer._metrics["train"].items()}
 
 
@@ -364,29 +386,128 @@ def grpo_batch():
     return logp, old, ref, torch.tensor([1.2, -0.7, 0.4]), mask
 
 
-def ours(logp, old, ref, advantages, mask, beta, bias_correction):
+def ours(logp, old, ref, advantages, mask, beta):
     terms = policy_loss_terms(logp, old, advantages.unsqueeze(1).expand_as(mask), mask, 0.2)
-    kl = KL_ESTIMATORS["k3"](logp, ref) * (terms.ratio if bias_correction else 1.0)
-    return terms, terms.losses + beta * torch.where(mask, kl, 0.0)
+    return terms, terms.losses + beta * torch.where(mask, KL_ESTIMATORS["k3"](logp, ref), 0.0)
 
 
-@pytest.mark.parametrize("bias_correction", [False, True])
-def test_clipped_loss_plus_k3_token_mean_equals_trl_dapo(grpo_batch, bias_correction):
+def test_clipped_loss_plus_k3_token_mean_equals_trl_dapo(grpo_batch):
+    """llmtrain's KL term has no importance-sampling correction: TRL's use_bias_correction_kl=False."""
     logp, old, ref, advantages, mask = grpo_batch
     trl_loss, trl_metrics = trl_grpo_loss(logp, old, ref, advantages, mask, loss_type="dapo", beta=0.04,
-                                          bias_correction=bias_correction)
-    terms, per_token = ours(logp, old, ref, advantages, mask, 0.04, bias_correction)
+                                          bias_correction=False)
+    terms, per_token = ours(logp, old, ref, advantages, mask, 0.04)
     assert terms.clipped.any() and not terms.clipped[mask].all(), "both clipped and unclipped tokens"
     assert math.isclose((masked_sum(per_token, mask) / mask.sum()).item(), trl_loss, rel_tol=1e-6)
     assert math.isclose(masked_mean(terms.clipped.float(), mask).item(), trl_metrics["clip_ratio/region_mean"])
-    kl = masked_mean(KL_ESTIMATORS["k3"](logp, ref) * (terms.ratio if bias_correction else 1.0), mask)
+    kl = masked_mean(KL_ESTIMATORS["k3"](logp, ref), mask)
     assert math.isclose(kl.item(), trl_metrics["kl"], rel_tol=1e-6)
 
 
 def test_trl_grpo_loss_type_is_a_mean_of_sequence_means(grpo_batch):
     """Documents TRL's loss_type="grpo": not our token mean when lengths differ."""
     logp, old, ref, advantages, mask = grpo_batch
-    trl_loss, _ = trl_grpo_loss(logp, old, ref, advantages, mask, loss_type="grpo", beta=0.04, bias_correction=True)
-    _, per_token = ours(logp, old, ref, advantages, mask, 0.04, True)
+    trl_loss, _ = trl_grpo_loss(logp, old, ref, advantages, mask, loss_type="grpo", beta=0.04, bias_correction=False)
+    _, per_token = ours(logp, old, ref, advantages, mask, 0.04)
     assert math.isclose(masked_mean(per_token, mask, dim=1).mean().item(), trl_loss, rel_tol=1e-6)
     assert not math.isclose((masked_sum(per_token, mask) / mask.sum()).item(), trl_loss, rel_tol=1e-3)
+
+
+
+# TRL's loss types are llmtrain's loss aggregations (ppo.loss_agg); TRL's importance_sampling_level="sequence" is
+# GSPO (ppo.ratio=sequence); epsilon_high is clip-higher (ppo.clip_eps_high)
+TRL_LOSS_TYPES = {"dapo": "token_mean", "grpo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum",
+                  "dr_grpo": "seq_mean_token_sum_norm"}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", list(TRL_LOSS_TYPES))
+def test_loss_aggregation_ratio_level_and_clip_higher_equal_trl(grpo_batch, loss_type, level):
+    """The loss and its gradient w.r.t. every log-prob equal TRL 1.16's GRPOTrainer._compute_loss on one batch (k3 KL,
+    ε_low 0.2, ε_high 0.28); with level=sequence our per-token GSPO ratio (GSPO-token) has TRL's sequence ratio's
+    value and, with one advantage per sequence, its gradient."""
+    from llmtrain.losses.ppo import aggregation_weights
+
+    logp, old, ref, advantages, mask = grpo_batch
+    logp = logp.clone().requires_grad_()
+    trl_losses = []
+    trl_grpo_loss(logp, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, bias_correction=False,
+                  eps_high=0.28, level=level, trl_loss=trl_losses)
+    terms = policy_loss_terms(logp, old, advantages.unsqueeze(1).expand_as(mask), mask, 0.2, clip_eps_high=0.28,
+                              ratio_level=level)
+    if level == "token":
+        assert terms.clipped.any() and (terms.ratio[mask] > 1.2).any(), "the batch reaches both clip edges' region"
+    per_token = terms.losses + 0.04 * torch.where(mask, KL_ESTIMATORS["k3"](logp, ref), 0.0)
+    weights, count = aggregation_weights(mask, TRL_LOSS_TYPES[loss_type], max_new_tokens=mask.size(1))
+    loss = (per_token * weights).sum() / count
+    assert math.isclose(loss.item(), trl_losses[0].item(), rel_tol=1e-6)
+    ours_grad, = torch.autograd.grad(loss, logp)
+    theirs_grad, = torch.autograd.grad(trl_losses[0], logp)
+    assert_close(ours_grad, theirs_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_dual_clip_caps_the_loss_of_a_negative_advantage_by_hand():
+    """ρ = e² ≈ 7.39 on a token with A = −1: clipped PPO gives max(7.39, 1.2) = 7.39; dual-clip with c = 3 caps it at
+    3 (no gradient then); a positive advantage is untouched."""
+    logp, old = torch.tensor([[2.0, 2.0]]), torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    advantages = torch.tensor([[-1.0, 1.0]])
+    plain = policy_loss_terms(logp, old, advantages, mask, 0.2).losses
+    dual = policy_loss_terms(logp, old, advantages, mask, 0.2, clip_ratio_c=3.0).losses
+    assert_close(plain, torch.tensor([[math.exp(2.0), -1.2]]))
+    assert_close(dual, torch.tensor([[3.0, -1.2]]))
+
+
+# --- the advantage estimators of issue 21, by hand ---------------------------------------------------------------
+
+def estimator_inputs(scores, kl_coef=0.0, gamma=1.0, group_size=2, scale="group"):
+    from llmtrain.losses.advantages import AdvantageInputs, token_rewards
+
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False], [True, True, True]])
+    kl = torch.full((4, 3), 0.5)
+    rewards = token_rewards(kl, scores, mask, kl_coef)
+    return AdvantageInputs(token_rewards=rewards, values=None, mask=mask, scores=scores, group_size=group_size,
+                           gamma=gamma, lam=1.0, scale_rewards=scale), mask
+
+
+def test_rloo_is_the_return_minus_the_mean_of_the_others():
+    """Groups (1, 3) and (4, 8): 1 − 3 = −2, 3 − 1 = 2, 4 − 8 = −4, 8 − 4 = 4 on every action token; with K = 4 the
+    baseline is the mean of the three others; with the KL in the reward the returns are score − β·ΣKL."""
+    inputs, mask = estimator_inputs(torch.tensor([1.0, 3.0, 4.0, 8.0]))
+    advantages, returns = ADVANTAGE_ESTIMATORS["rloo"](inputs)
+    assert returns is None
+    assert_close(advantages, torch.where(mask, torch.tensor([-2.0, 2.0, -4.0, 4.0]).unsqueeze(1), 0.0))
+    four, _ = estimator_inputs(torch.tensor([1.0, 3.0, 4.0, 8.0]), group_size=4)
+    expected = torch.tensor([1 - 15 / 3, 3 - 13 / 3, 4 - 12 / 3, 8 - 8 / 3])
+    assert_close(ADVANTAGE_ESTIMATORS["rloo"](four)[0][:, 0], expected)
+    penalised, _ = estimator_inputs(torch.tensor([1.0, 3.0, 4.0, 8.0]), kl_coef=1.0)  # KL 0.5 per token
+    returns = torch.tensor([1 - 1.5, 3 - 1.0, 4 - 0.5, 8 - 1.5])
+    assert_close(ADVANTAGE_ESTIMATORS["rloo"](penalised)[0][:, 0],
+                 torch.stack([returns[0] - returns[1], returns[1] - returns[0], returns[2] - returns[3],
+                              returns[3] - returns[2]]))
+
+
+def test_reinforce_pp_returns_to_go_with_and_without_the_group_baseline():
+    """Row 0: rewards (−0.25, −0.25, 1 − 0.25) with β·KL = 0.25 per token; γ = 0.5: G = (−0.25 − 0.125 + 0.1875,
+    −0.25 + 0.375, 0.75). The baseline variant subtracts the group's mean score (1 and 3: 2) at the last token."""
+    inputs, mask = estimator_inputs(torch.tensor([1.0, 3.0, 4.0, 8.0]), kl_coef=0.5, gamma=0.5)
+    advantages, returns = ADVANTAGE_ESTIMATORS["reinforce_pp"](inputs)
+    assert returns is None
+    assert_close(advantages[0], torch.tensor([-0.25 + 0.5 * (-0.25) + 0.25 * 0.75, -0.25 + 0.5 * 0.75, 0.75]))
+    assert_close(advantages[2], torch.tensor([4 - 0.25, 0.0, 0.0]))
+    baseline, _ = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"](inputs)
+    assert_close(baseline[0], torch.tensor([-0.25 + 0.5 * (-0.25) + 0.25 * (0.75 - 2), -0.25 + 0.5 * (0.75 - 2),
+                                            0.75 - 2]))
+    assert_close(baseline[3, 2], torch.tensor(8 - 0.25 - 6.0))  # group (4, 8): mean 6
+    assert torch.equal(baseline[~mask], torch.zeros(int((~mask).sum())))
+
+
+def test_grpo_scale_rewards_group_batch_none_as_trl():
+    """TRL 1.16's scale_rewards: group (each group's std), batch (the whole batch's std), none (Dr. GRPO: only the
+    group mean is subtracted); std unbiased, + 1e-4."""
+    scores = torch.tensor([1.0, 3.0, 4.0, 8.0])
+    centred = torch.tensor([-1.0, 1.0, -2.0, 2.0])
+    for scale, divisor in (("group", torch.tensor([2 ** 0.5] * 2 + [8 ** 0.5] * 2) + 1e-4),
+                           ("batch", scores.std() + 1e-4), ("none", torch.tensor(1.0))):
+        inputs, mask = estimator_inputs(scores, scale=scale)
+        assert_close(ADVANTAGE_ESTIMATORS["grpo"](inputs)[0][:, 0], centred / divisor)

@@ -138,7 +138,11 @@ def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["stage=grpo", "ppo.advantage=gae"], "ppo.advantage='gae' must be grpo"),
+    (["stage=grpo", "ppo.advantage=gae"], "ppo.advantage='gae' must be one of grpo, rloo"),
+    (["ppo.advantage=rloo"], "ppo.advantage=rloo compares the samples of a prompt"),
+    (["ppo.scale_rewards=none"], "ppo.scale_rewards=none scales grpo's advantages"),
+    (["ppo.loss_agg=seq_mean"], "ppo.loss_agg='seq_mean' is not one of token_mean"),
+    (["ppo.clip_ratio_c=1.0"], "ppo.clip_ratio_c=1.0 must be > 1"),
     (["ppo.reward.function=null"], "exactly one of ppo.reward.model"),
     (["ppo.reward.model=/somewhere"], "exactly one of ppo.reward.model"),
     (["ppo.reward.function=nocolon"], "must be module:attribute"),

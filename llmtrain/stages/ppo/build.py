@@ -101,12 +101,14 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     experience = ExperienceSettings(
         temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
-        group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size,
+        group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size, scale_rewards=p.scale_rewards,
         old_logps_from_update=old_logps_from_update(p))
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
                             kl_in_loss=not p.kl.in_reward, kl_estimator=p.kl.estimator,
-                            temperature=rollout.temperature)
+                            temperature=rollout.temperature, clip_eps_high=p.clip_eps_high,
+                            clip_ratio_c=p.clip_ratio_c, ratio_level=p.ratio, loss_agg=p.loss_agg,
+                            max_new_tokens=rollout.max_new_tokens)
     shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty,
                            statistics=reward_model_statistics(r.model) if r.normalize else None)
     if r.normalize and shaping.statistics is None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.backends import parallel_degrees
-from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS, needs_critic, needs_groups
 from llmtrain.losses.kl import KL_ESTIMATORS
+from llmtrain.losses.ppo import LOSS_AGGREGATIONS, RATIO_LEVELS
 
 CRITIC_INITS = ("policy", "reward")
 SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding masks: wrong for left-padded prompts
@@ -17,12 +18,14 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     p, d, m, t = cfg.ppo, cfg.data, cfg.model, cfg.trainer
     r, rollout, kl = p.reward, p.rollout, p.kl
     problems = []
-    if stage == "grpo" and p.advantage != "grpo":
-        problems.append(f"stage=grpo uses group-relative advantages: ppo.advantage={p.advantage!r} must be grpo "
+    if stage == "grpo" and needs_critic.get(p.advantage, False):
+        critic_free = ", ".join(name for name, critic in needs_critic.items() if not critic)
+        problems.append(f"stage=grpo trains no critic: ppo.advantage={p.advantage!r} must be one of {critic_free} "
                         "(or use stage=ppo for gae with a critic)")
     choices = {"ppo.advantage": (p.advantage, tuple(ADVANTAGE_ESTIMATORS)),
                "ppo.kl.estimator": (kl.estimator, tuple(KL_ESTIMATORS)),
-               "ppo.critic.init": (p.critic.init, CRITIC_INITS)}
+               "ppo.critic.init": (p.critic.init, CRITIC_INITS), "ppo.scale_rewards": (p.scale_rewards, SCALE_REWARDS),
+               "ppo.loss_agg": (p.loss_agg, LOSS_AGGREGATIONS), "ppo.ratio": (p.ratio, RATIO_LEVELS)}
     problems += [f"{name}={value!r} is not one of {', '.join(allowed)}" for name, (value, allowed) in choices.items()
                  if value not in allowed]
     if d.packing:
@@ -46,9 +49,12 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if needs_critic.get(p.advantage) and p.critic.init == "reward" and r.model is None:
         problems.append("ppo.critic.init=reward starts the critic from the reward model: set ppo.reward.model, or "
                         "ppo.critic.init=policy")
-    if p.advantage == "grpo" and rollout.n_samples_per_prompt < 2:
-        problems.append(f"ppo.advantage=grpo compares the samples of a prompt: ppo.rollout.n_samples_per_prompt="
-                        f"{rollout.n_samples_per_prompt} must be >= 2")
+    if needs_groups.get(p.advantage) and rollout.n_samples_per_prompt < 2:
+        problems.append(f"ppo.advantage={p.advantage} compares the samples of a prompt: "
+                        f"ppo.rollout.n_samples_per_prompt={rollout.n_samples_per_prompt} must be >= 2")
+    if p.scale_rewards != "group" and p.advantage != "grpo":
+        problems.append(f"ppo.scale_rewards={p.scale_rewards} scales grpo's advantages; ppo.advantage={p.advantage} "
+                        "has none to scale: leave ppo.scale_rewards=group")
     problems += _batch_problems(p, t, dp)
     problems += _value_problems(p, rollout, kl)
     if rollout.max_new_tokens >= d.max_seq_len:
@@ -112,6 +118,11 @@ def _value_problems(p: Any, rollout: Any, kl: Any) -> list[str]:
     if rollout.top_k < 0 or rollout.max_new_tokens < 1 or rollout.n_samples_per_prompt < 1:
         problems.append("ppo.rollout.top_k must be >= 0, max_new_tokens and n_samples_per_prompt >= 1 "
                         f"(got {rollout.top_k}, {rollout.max_new_tokens}, {rollout.n_samples_per_prompt})")
+    if p.clip_eps_high is not None and not p.clip_eps_high > 0:
+        problems.append(f"ppo.clip_eps_high={p.clip_eps_high} must be > 0 (or null: ppo.clip_eps)")
+    if p.clip_ratio_c is not None and not p.clip_ratio_c > 1:
+        problems.append(f"ppo.clip_ratio_c={p.clip_ratio_c} must be > 1 (dual-clip caps −A·ρ at −A·c; 3 is usual) "
+                        "or null")
     if not p.clip_eps > 0 or (p.value_clip_eps is not None and not p.value_clip_eps > 0):
         problems.append(f"ppo.clip_eps={p.clip_eps} and ppo.value_clip_eps={p.value_clip_eps} must be > 0 "
                         "(value_clip_eps may be null: no value clipping)")

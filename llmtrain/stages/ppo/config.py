@@ -60,10 +60,15 @@ class PPOConfig:
     reward: PPORewardConfig = field(default_factory=PPORewardConfig)
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
     kl: PPOKLConfig = field(default_factory=PPOKLConfig)
-    advantage: str = "gae"  # gae (critic) | grpo (group-relative, no critic)
+    advantage: str = "gae"  # gae (critic) | grpo | rloo | reinforce_pp | reinforce_pp_baseline (no critic)
+    scale_rewards: str = "group"  # grpo: divide by the group's std | batch: the batch's | none (Dr. GRPO)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    ratio: str = "token"  # token | sequence (GSPO: the sequence's mean log-ratio)
     epochs: int = 1
     mini_batch_size: int = 16  # sequences per optimizer step, global
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2  # ε_low, and ε_high unless clip_eps_high
+    clip_eps_high: Optional[float] = None  # DAPO's clip-higher (e.g. 0.28); null: clip_eps
+    clip_ratio_c: Optional[float] = None  # dual-clip: the loss of a negative advantage capped at −A·c (c > 1)
     value_clip_eps: Optional[float] = 0.2  # null: unclipped value loss
     value_coef: float = 1.0  # the critic's loss scale (its own optimizer: only its lr-relative size matters)
     entropy_coef: float = 0.0

@@ -101,6 +101,7 @@ class ExperienceSettings:
     whiten_advantages: bool
     group_size: int
     micro_batch_size: int
+    scale_rewards: str = "group"
     # One optimizer step per rollout and no KL in the reward (GRPO's usual setting, TRL's default): the update's
     # own forward gives the old log-probs (ratio 1 by construction), so the experience skips the actor's forward.
     old_logps_from_update: bool = False
@@ -149,7 +150,7 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     rewards = token_rewards(kl, exp.scores, mask, kl_coef if settings.kl_in_reward else 0.0)
     advantages, returns = ADVANTAGE_ESTIMATORS[settings.advantage](AdvantageInputs(
         token_rewards=rewards, values=values if "critic" in engines else None, mask=mask, scores=exp.scores,
-        group_size=settings.group_size, gamma=settings.gamma, lam=settings.lam))
+        group_size=settings.group_size, gamma=settings.gamma, lam=settings.lam, scale_rewards=settings.scale_rewards))
     if settings.whiten_advantages:
         advantages = whiten(advantages, mask, reduce=False)  # the batch is global on every rank
     return Experience(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=mask, old_logps=old,

@@ -20,6 +20,7 @@ import torch
 from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (
+    aggregation_weights,
     explained_variance,
     policy_loss_terms,
     value_clipped,
@@ -46,7 +47,7 @@ from llmtrain.stages.ppo.rewards import (
 )
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
 
-POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss")
+POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss", "tokens")
 VALUE_STATS = ("value_clipped",)
 
 
@@ -54,13 +55,18 @@ VALUE_STATS = ("value_clipped",)
 class UpdateSettings:
     epochs: int
     mini_batch_size: int  # sequences per optimizer step, global
-    clip_eps: float
+    clip_eps: float  # ε_low (and ε_high unless clip_eps_high)
     value_clip_eps: float | None
     value_coef: float
     entropy_coef: float
     kl_in_loss: bool  # β·KL is a loss term (GRPO), with β the KL controller's current value; else in the reward
     kl_estimator: str
     temperature: float
+    clip_eps_high: float | None = None  # DAPO's clip-higher; None: clip_eps
+    clip_ratio_c: float | None = None  # dual-clip; None: off
+    ratio_level: str = "token"  # token | sequence (GSPO)
+    loss_agg: str = "token_mean"  # losses/ppo.LOSS_AGGREGATIONS
+    max_new_tokens: int = 1  # seq_mean_token_sum_norm's constant
 
 
 class PPOStage(Stage):
@@ -176,18 +182,19 @@ class PPOStage(Stage):
     def _update(self, exp: Experience, engines: dict, updater: Updater, layouts: list) -> dict:
         actor = engines["actor"]
         critic = engines.get("critic")
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "tokens": 0, **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
+        sums = {"policy_loss": 0.0, "value_loss": 0.0, "count": 0, **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
         first_dev = [0.0]
         last = None
         for epoch, layout in enumerate(layouts):
             for k, micro_rows in enumerate(layout):
                 micro = [exp.select(rows).trimmed() for rows in micro_rows]
                 tokens = sum(int(mb.action_mask.sum()) for mb in micro)
+                count = sum(self._aggregation(mb)[1] for mb in micro)  # tokens, or sequences (ppo.loss_agg)
                 track = first_dev if epoch == 0 and k == 0 else None
-                last = updater.update(actor, micro, partial(self._policy_loss, first_dev=track), tokens,
+                last = updater.update(actor, micro, partial(self._policy_loss, first_dev=track), count,
                                       num_stats=len(POLICY_STATS))
                 sums["policy_loss"] += last.loss * last.count
-                sums["tokens"] += last.count
+                sums["count"] += last.count
                 for name, value in zip(POLICY_STATS, last.sums):
                     sums[name] += value
                 if critic is not None:
@@ -195,9 +202,10 @@ class PPOStage(Stage):
                                             num_stats=len(VALUE_STATS))
                     sums["value_loss"] += result.loss * result.count
                     sums["value_clipped"] += result.sums[0]
-        tokens = max(sums["tokens"], 1)
+        tokens = max(sums["tokens"], 1)  # the global action tokens of every update, from the statistics
         first_ratio_dev = all_reduce_max(torch.tensor([first_dev[0]], dtype=torch.float64), None).item()
-        metrics = {"loss": sums["policy_loss"] / tokens, "policy_loss": sums["policy_loss"] / tokens,
+        policy_loss = sums["policy_loss"] / max(sums["count"], 1)  # aggregated as ppo.loss_agg says
+        metrics = {"loss": policy_loss, "policy_loss": policy_loss,
                    "clip_frac": sums["clipped"] / tokens, "approx_kl": sums["approx_kl"] / tokens,
                    "entropy": sums["entropy"] / tokens, "first_ratio_dev": first_ratio_dev,
                    "lr": last.lr, "grad_norm": last.grad_norm}
@@ -218,23 +226,28 @@ class PPOStage(Stage):
         logps = answer.logps  # (b, A)
         mask = mb.action_mask
         old = logps.detach() if self.experience.old_logps_from_update else mb.old_logps
-        terms = policy_loss_terms(logps, old, mb.advantages, mask, u.clip_eps)
-        loss = terms.losses.sum()
+        terms = policy_loss_terms(logps, old, mb.advantages, mask, u.clip_eps, clip_eps_high=u.clip_eps_high,
+                                  clip_ratio_c=u.clip_ratio_c, ratio_level=u.ratio_level)
+        weights, _ = self._aggregation(mb)  # (b, A): 1, or per-sequence shares (ppo.loss_agg)
+        loss = (terms.losses * weights).sum()
         entropy = (answer.entropy if u.entropy_coef > 0 else answer.entropy.detach()) * mask  # (b, A)
         if u.entropy_coef > 0:
-            loss = loss - u.entropy_coef * entropy.sum()
+            loss = loss - u.entropy_coef * (entropy * weights).sum()
         kl_loss = KL_ESTIMATORS[u.kl_estimator](logps, mb.ref_logps) * mask if self.has_reference \
             else torch.zeros_like(logps)
         if self.kl_loss_coef > 0:
-            loss = loss + self.kl_loss_coef * kl_loss.sum()
+            loss = loss + self.kl_loss_coef * (kl_loss * weights).sum()
         if first_dev is not None:
             # against the old log-probs the ratio uses: on-policy (old_logps_from_update) the experience never
             # filled mb.old_logps (zeros), and the ratio is 1 by construction
             deviation = ((logps.detach() - old).abs() * mask).max().item() if mask.any() else 0.0
             first_dev[0] = max(first_dev[0], deviation)
         stats = torch.stack([terms.clipped.float().sum(), terms.approx_kl.sum(), entropy.detach().sum(),
-                             kl_loss.detach().sum()])
+                             kl_loss.detach().sum(), mask.sum().float()])
         return loss, stats
+
+    def _aggregation(self, mb: Experience) -> tuple[torch.Tensor, int]:
+        return aggregation_weights(mb.action_mask, self.update.loss_agg, self.update.max_new_tokens)
 
     def _value_loss(self, module, mb: Experience, model: torch.nn.Module):
         u = self.update
