@@ -85,25 +85,64 @@ def sequence_sums(logps: torch.Tensor, labels: torch.Tensor, sequence_ids: torch
     return totals / counts.clamp(min=1)
 
 
-def sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
-    """DPO: -logsigmoid(β·x); with ε = label_smoothing > 0, cDPO: the label is wrong with probability ε."""
-    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+# Each loss maps the (P,) log-ratios log π − log ref of the chosen (c) and rejected (r) responses, β and the label
+# smoothing ε to (P,) losses, as TRL 1.16's DPOTrainer._compute_loss writes them (x = c − r).
+
+def sigmoid_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """DPO: −logsigmoid(β·x); with ε = label_smoothing > 0, cDPO: the label is wrong with probability ε."""
+    x = c - r
+    return -(1 - eps) * F.logsigmoid(beta * x) - eps * F.logsigmoid(-beta * x)
 
 
-def ipo_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+def ipo_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
     """IPO: (x − 1/(2β))², β being the paper's τ; x from length-averaged log-probs (see AVERAGED_LOGPS)."""
-    del label_smoothing  # rejected for IPO by dpo_loss_terms
-    return (logits - 1 / (2 * beta)) ** 2
+    return (c - r - 1 / (2 * beta)) ** 2
 
 
-DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
-    "sigmoid": sigmoid_loss,
-    "ipo": ipo_loss,
+def hinge_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """SLiC: relu(1 − β·x)."""
+    return torch.relu(1 - beta * (c - r))
+
+
+def robust_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al. 2024): the unbiased loss under labels flipped with probability ε < ½."""
+    x = c - r
+    return (-(1 - eps) * F.logsigmoid(beta * x) + eps * F.logsigmoid(-beta * x)) / (1 - 2 * eps)
+
+
+def bco_pair_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """BCO on pairs: −logsigmoid(β·c) − logsigmoid(−β·r)."""
+    return -F.logsigmoid(beta * c) - F.logsigmoid(-beta * r)
+
+
+def sppo_hard_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """SPPO with hard probabilities: (c − 1/(2β))² + (r + 1/(2β))²."""
+    return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+
+
+def nca_pair_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """NCA: −logsigmoid(β·c) − ½ logsigmoid(−β·c) − ½ logsigmoid(−β·r)."""
+    return -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+
+
+def apo_zero_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """APO-zero (D'Oosterlinck et al. 2024, eq. 7): raise the chosen, lower the rejected likelihood."""
+    return 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)
+
+
+def apo_down_loss(c: torch.Tensor, r: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """APO-down (eq. 8): lower both, the rejected more."""
+    return torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * (c - r))
+
+
+DPO_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]] = {
+    "sigmoid": sigmoid_loss, "ipo": ipo_loss, "hinge": hinge_loss, "robust": robust_loss, "bco_pair": bco_pair_loss,
+    "sppo_hard": sppo_hard_loss, "nca_pair": nca_pair_loss, "apo_zero": apo_zero_loss, "apo_down": apo_down_loss,
 }
 # Losses that take per-token mean log-probs (`sequence_logps(..., average=True)`), as TRL does.
 AVERAGED_LOGPS = frozenset({"ipo"})
 # Losses that read label_smoothing; any other loss refuses a non-zero value rather than ignore it.
-SMOOTHED_LOSSES = frozenset({"sigmoid"})
+SMOOTHED_LOSSES = frozenset({"sigmoid", "robust"})
 
 
 class DPOTerms(NamedTuple):
@@ -128,9 +167,12 @@ def dpo_loss_terms(
     if label_smoothing and loss_type not in SMOOTHED_LOSSES:
         raise ValueError(f"dpo.label_smoothing={label_smoothing} has no effect on dpo.loss={loss_type!r}; "
                          f"it applies to {sorted(SMOOTHED_LOSSES)} only, set it to 0")
+    if loss_type == "robust" and not label_smoothing < 0.5:
+        raise ValueError(f"dpo.loss=robust divides by 1 − 2·label_smoothing: dpo.label_smoothing={label_smoothing} "
+                         "must be < 0.5")
     chosen_logratios = policy_chosen.float() - ref_chosen.float()  # (P,)
     rejected_logratios = policy_rejected.float() - ref_rejected.float()  # (P,)
-    losses = DPO_LOSSES[loss_type](chosen_logratios - rejected_logratios, beta, label_smoothing)  # (P,)
+    losses = DPO_LOSSES[loss_type](chosen_logratios, rejected_logratios, beta, label_smoothing)  # (P,)
     return DPOTerms(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
 
 

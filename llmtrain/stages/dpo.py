@@ -19,6 +19,7 @@ from llmtrain.losses.dpo import (
     AVERAGED_LOGPS,
     DPO_LOSSES,
     DPO_STATS,
+    SMOOTHED_LOSSES,
     dpo_loss_terms,
     dpo_metrics,
     dpo_stat_sums,
@@ -42,7 +43,8 @@ from llmtrain.stages.spec import ImplicitReward
 class DPOConfig:
     """stage=dpo: policy vs a frozen reference on the summed response log-probs of each pair."""
     beta: float = 0.1
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | robust | bco_pair | sppo_hard | nca_pair | apo_zero
+    # | apo_down (losses/dpo.DPO_LOSSES, TRL's loss types)
     label_smoothing: float = 0.0  # > 0: conservative DPO (cDPO), the labels flipped with this probability
 
 
@@ -127,8 +129,9 @@ def problems(cfg, dp: int) -> list[str]:
         found.append(f"dpo.beta={d.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
     if not 0 <= d.label_smoothing < 0.5:
         found.append(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
-    if d.loss == "ipo" and d.label_smoothing > 0:
-        found.append("dpo.label_smoothing applies to dpo.loss=sigmoid only: set it to 0 with ipo")
+    if d.loss in DPO_LOSSES and d.loss not in SMOOTHED_LOSSES and d.label_smoothing > 0:
+        found.append(f"dpo.label_smoothing applies to dpo.loss={' or '.join(sorted(SMOOTHED_LOSSES))} only: set it to "
+                     f"0 with {d.loss}")
     return found
 
 

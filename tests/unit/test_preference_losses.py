@@ -160,8 +160,10 @@ def test_dpo_gradient_flows_to_policy_only_and_rewards_are_detached():
 
 
 def test_unknown_loss_and_ignored_smoothing_are_refused():
-    with pytest.raises(ValueError, match=r"dpo\.loss='hinge'.*\['ipo', 'sigmoid'\]"):
-        dpo_terms("hinge")
+    with pytest.raises(ValueError, match=r"dpo\.loss='kto'.*\['apo_down', 'apo_zero', 'bco_pair', 'hinge'"):
+        dpo_terms("kto")
+    with pytest.raises(ValueError, match=r"dpo\.label_smoothing=0\.5 must be < 0\.5"):
+        dpo_terms("robust", label_smoothing=0.5)
     with pytest.raises(ValueError, match=r"dpo\.label_smoothing"):
         dpo_terms("ipo", label_smoothing=0.1)
 
@@ -303,6 +305,18 @@ def test_dpo_ipo_matches_trl_with_averaged_logps(tokenizer, policy_and_reference
     policy, reference = policy_and_reference
     trl_loss, _, batch = trl_dpo(tokenizer, policy, reference, tmp_path, beta=0.1, loss_type="ipo")
     loss, _ = our_dpo(policy, reference, batch, beta=0.1, loss_type="ipo")
+    assert math.isclose(loss, trl_loss, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type, label_smoothing", [("hinge", 0.0), ("robust", 0.2), ("bco_pair", 0.0),
+                                                        ("sppo_hard", 0.0), ("nca_pair", 0.0), ("apo_zero", 0.0),
+                                                        ("apo_down", 0.0)])
+def test_trl_pairwise_losses_match_trl(tokenizer, policy_and_reference, tmp_path, loss_type, label_smoothing):
+    """TRL's other pairwise losses (dpo.loss=...), each against TRL 1.16's DPOTrainer on the same batch."""
+    policy, reference = policy_and_reference
+    trl_loss, _, batch = trl_dpo(tokenizer, policy, reference, tmp_path, beta=0.5, loss_type=loss_type,
+                                 label_smoothing=label_smoothing)
+    loss, _ = our_dpo(policy, reference, batch, beta=0.5, loss_type=loss_type, label_smoothing=label_smoothing)
     assert math.isclose(loss, trl_loss, rel_tol=1e-5)
 
 
