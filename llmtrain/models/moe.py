@@ -56,11 +56,16 @@ def router_forward(module: torch.nn.Module, batch, **kwargs) -> tuple:
     """`module(**batch.model_inputs(), **kwargs)` (batch: data/collate.Batch) -> (outputs, mean term, statistics):
     for an MoE model the term is coef × aux loss (0-d, with grad: the Updater's mean term) and the statistics (aux,
     busiest expert's load) (2,), detached; for a dense model both are None."""
+    return routed_forward(module, batch.model_inputs(), batch.token_mask, **kwargs)
+
+
+def routed_forward(module: torch.nn.Module, inputs: dict, token_mask, **kwargs) -> tuple:
+    """`router_forward` for any inputs; token_mask() -> (B, T) float 1 on real tokens (called for an MoE model only)."""
     router = router_of(module)
     if router is None:
-        return module(**batch.model_inputs(), **kwargs), None, None
-    out = module(**batch.model_inputs(), output_router_logits=True, **kwargs)
-    aux, busiest = router_losses(router, out.router_logits, batch.token_mask())
+        return module(**inputs, **kwargs), None, None
+    out = module(**inputs, output_router_logits=True, **kwargs)
+    aux, busiest = router_losses(router, out.router_logits, token_mask())
     return out, router.coef * aux, torch.stack([aux.detach(), busiest])
 
 

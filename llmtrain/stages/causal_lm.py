@@ -14,9 +14,8 @@ import torch
 from llmtrain.data.collate import Batch, collate
 from llmtrain.losses.lm import count_target_tokens
 from llmtrain.models.fused_head import HeadQuery, shifted_targets
-from llmtrain.models.moe import ROUTER_STATS, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.head import lm_forward, target_logps
+from llmtrain.stages.head import lm_forward, routed_update, target_logps, with_router
 from llmtrain.stages.spec import SFT_FORMATS, StageSpec
 
 
@@ -35,18 +34,12 @@ class CausalLMStage(Stage):
         answer, aux_term, router_stats = lm_forward(module, batch, HeadQuery(shifted_targets(batch.labels),
                                                                            loss_sum=True), route=True)
         loss_sum = answer.loss_sum  # −Σ log p over the target tokens: the head's chunks, never the (B, T, V) logits
-        if aux_term is None:
-            return loss_sum, torch.zeros(0, device=loss_sum.device)
-        return loss_sum, router_stats, aux_term
+        return with_router(loss_sum, torch.zeros(0, device=loss_sum.device), aux_term, router_stats)
 
     def train_step(self, micro_batches: list[Batch], engines: dict, updater: Updater) -> dict:
         targets = sum(b.num_targets for b in micro_batches)  # counted on the host: no device sync
-        engine = engines["policy"]
-        moe = router_of(engine.module) is not None
-        result = updater.update(engine, micro_batches, self.micro_batch_loss, targets,
-                                num_stats=len(ROUTER_STATS) if moe else 0)
-        metrics = {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens": result.count}
-        return metrics | (router_metrics(result.sums, len(micro_batches), engine.dp_size) if moe else {})
+        result, routed = routed_update(updater, engines["policy"], micro_batches, self.micro_batch_loss, targets, 0)
+        return {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens": result.count, **routed}
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:

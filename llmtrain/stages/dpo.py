@@ -24,9 +24,8 @@ from llmtrain.losses.dpo import (
     dpo_metrics,
     dpo_stat_sums,
 )
-from llmtrain.models.moe import ROUTER_STATS, router_metrics, router_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.head import pair_logps
+from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import (
     PairBatch,
     collate_pairs,
@@ -83,20 +82,13 @@ class DPOStage(Stage):
             reference_logps = self.reference_logps(reference, batch)
             policy, aux_term, router_stats = self.logps(module, batch, route=True)  # MoE: + coef × router aux loss
             terms = self.terms(policy, reference_logps)
-            stats = dpo_stat_sums(terms, *policy)
-            if aux_term is None:
-                return terms.losses.sum(), stats
-            return terms.losses.sum(), torch.cat([stats, router_stats]), aux_term
+            return with_router(terms.losses.sum(), dpo_stat_sums(terms, *policy), aux_term, router_stats)
 
         pairs = sum(b.num_pairs for b in micro_batches)
-        engine = engines["policy"]
-        moe = router_of(engine.module) is not None
-        result = updater.update(engine, micro_batches, micro_loss, pairs,
-                                num_stats=len(DPO_STATS) + (len(ROUTER_STATS) if moe else 0))
+        result, routed = routed_update(updater, engines["policy"], micro_batches, micro_loss, pairs, len(DPO_STATS))
         metrics = dpo_metrics(dict(zip(DPO_STATS, result.sums)), max(result.count, 1))
-        if moe:
-            metrics |= router_metrics(result.sums[len(DPO_STATS):], len(micro_batches), engine.dp_size)
-        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count,
+                **routed}
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:

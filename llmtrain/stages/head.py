@@ -8,7 +8,7 @@ import torch
 from llmtrain.data.collate import Batch
 from llmtrain.losses.dpo import sequence_sums
 from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking, shifted_targets
-from llmtrain.models.moe import router_forward
+from llmtrain.models.moe import ROUTER_STATS, routed_forward, router_forward, router_metrics, router_of
 
 
 def lm_forward(module: torch.nn.Module, batch: Batch, query: HeadQuery, route: bool = False):
@@ -33,14 +33,36 @@ def pair_logps(module: torch.nn.Module, batch, average: bool, route: bool = Fals
 
 
 def action_answer(module: torch.nn.Module, inputs: dict, sequences: torch.Tensor, num_actions: int,
-                  temperature: float, entropy: bool = False) -> HeadAnswer:
-    """Rollout rows `sequences` (b, T) (`inputs`: their model inputs) whose last A tokens are actions -> log p of each
-    action (b, A), and its entropy (b, A) when asked, under softmax(logits / temperature); only the last A + 1
-    positions reach the head."""
+                  temperature: float, entropy: bool = False, route: bool = False):
+    """Rollout rows `sequences` (b, T) (`inputs`: their model inputs, with the attention mask) whose last A tokens
+    are actions -> log p of each action (b, A), and its entropy (b, A) when asked, under softmax(logits / temperature);
+    only the last A + 1 positions reach the head. With `route`: (answer, MoE term, MoE statistics)."""
     if not 0 < num_actions < sequences.size(1):
         raise ValueError(f"num_actions={num_actions} must be in [1, T) for T={sequences.size(1)} positions")
     query = HeadQuery(action_targets(sequences, num_actions), temperature=temperature, entropy=entropy)
     with asking(module, query) as ask:
-        out = module(**inputs, **ask.kwargs)
+        if route:
+            out, term, stats = routed_forward(module, inputs, lambda: inputs["attention_mask"].float(), **ask.kwargs)
+        else:
+            out, term, stats = module(**inputs, **ask.kwargs), None, None
     answer = ask.read(out.logits)  # (b, A + 1): the last position predicts nothing
-    return HeadAnswer(logps=answer.logps[:, :-1], entropy=None if answer.entropy is None else answer.entropy[:, :-1])
+    answer = HeadAnswer(logps=answer.logps[:, :-1],
+                        entropy=None if answer.entropy is None else answer.entropy[:, :-1])
+    return (answer, term, stats) if route else answer
+
+
+def with_router(loss: torch.Tensor, stats: torch.Tensor, term, router_stats) -> tuple:
+    """A MicroLoss's return: (loss, statistics), with an MoE forward's router statistics and mean term appended."""
+    if term is None:
+        return loss, stats
+    return loss, torch.cat([stats, router_stats]), term
+
+
+def routed_update(updater, engine, micro_batches: list, micro_loss, count: float, num_stats: int):
+    """`updater.update` with room for the MoE routers' statistics when the engine's model has routers ->
+    (StepResult, the routers' metrics: aux_loss, expert_load_max, {} for a dense model)."""
+    moe = router_of(engine.module) is not None
+    result = updater.update(engine, micro_batches, micro_loss, count,
+                            num_stats=num_stats + (len(ROUTER_STATS) if moe else 0))
+    routed = router_metrics(result.sums[num_stats:], len(micro_batches), engine.dp_size) if moe else {}
+    return result, routed

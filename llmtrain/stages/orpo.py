@@ -23,7 +23,7 @@ from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
 from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
-from llmtrain.stages.head import pair_logps
+from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
 from llmtrain.stages.spec import ImplicitReward
 
@@ -68,10 +68,14 @@ class ORPOStage(Stage):
 
     def logps(self, forward, batch: ORPOPairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen summed (P,), chosen averaged (P,), rejected averaged (P,)) response log-probs, fp32: one forward."""
+        return self.routed_logps(forward, batch)[0]
+
+    def routed_logps(self, module, batch: ORPOPairBatch, route: bool = False):
+        """(`logps`, the MoE routers' term, their statistics) of one forward (route=False: no router terms)."""
         labels, sequence_ids, n = batch.rows.labels, batch.sequence_ids, batch.num_sequences
-        sums = pair_logps(forward, batch, average=False)[0]  # (2P,)
+        sums, term, stats = pair_logps(module, batch, average=False, route=route)  # (2P,)
         means = sums / sequence_target_counts(labels, sequence_ids, n).clamp(min=1)  # (2P,) as average=True
-        return batch.split(sums)[0], *batch.split(means)
+        return (batch.split(sums)[0], *batch.split(means)), term, stats
 
     def terms(self, chosen: torch.Tensor, rejected: torch.Tensor) -> ORPOTerms:
         return orpo_terms(chosen, rejected, beta=self.beta)
@@ -89,20 +93,21 @@ class ORPOStage(Stage):
         nll_scale = global_pairs / max(global_tokens, 1.0)
 
         def micro_loss(module, batch: ORPOPairBatch):
-            chosen_sum, chosen, rejected = self.logps(module, batch)
+            (chosen_sum, chosen, rejected), term, router_stats = self.routed_logps(module, batch, route=True)
             terms = self.terms(chosen, rejected)
             nll_sum = -chosen_sum.sum()
             stats = torch.stack([nll_sum.detach().double(), terms.log_odds.double().sum(),
                                  F.logsigmoid(terms.log_odds).double().sum()])
-            return nll_sum * nll_scale + terms.losses.sum(), torch.cat([dpo_stat_sums(terms, chosen, rejected), stats])
+            return with_router(nll_sum * nll_scale + terms.losses.sum(),
+                               torch.cat([dpo_stat_sums(terms, chosen, rejected), stats]), term, router_stats)
 
-        result = updater.update(policy, micro_batches, micro_loss, pairs, num_stats=len(DPO_STATS + ORPO_STATS))
+        result, routed = routed_update(updater, policy, micro_batches, micro_loss, pairs, len(DPO_STATS + ORPO_STATS))
         sums, num_pairs = dict(zip(DPO_STATS + ORPO_STATS, result.sums)), max(result.count, 1)
         return {"loss": result.loss, **dpo_metrics(sums, num_pairs),
                 "nll_loss": sums["nll_sum"] / max(global_tokens, 1.0),
                 "log_odds_chosen": sums["log_odds_chosen"] / num_pairs,
                 "log_odds_ratio": sums["log_odds_ratio"] / num_pairs,
-                "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+                "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count, **routed}
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:

@@ -17,7 +17,7 @@ from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.reference_free import SimPOTerms, simpo_terms
 from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
 from llmtrain.stages.causal_lm import policy_role
-from llmtrain.stages.head import pair_logps
+from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import (
     PairBatch,
     collate_pairs,
@@ -51,19 +51,25 @@ class SimPOStage(Stage):
         """(chosen (P,), rejected (P,)) length-averaged response log-probs, fp32."""
         return batch.split(pair_logps(forward, batch, average=True)[0])
 
+    def routed_logps(self, module, batch: PairBatch):
+        """`logps` with the MoE routers' term and statistics of the forward."""
+        sums, term, stats = pair_logps(module, batch, average=True, route=True)
+        return batch.split(sums), term, stats
+
     def terms(self, logps: tuple[torch.Tensor, torch.Tensor]) -> SimPOTerms:
         return simpo_terms(*logps, beta=self.beta, gamma=self.gamma)
 
     def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
         def micro_loss(module, batch: PairBatch):
-            logps = self.logps(module, batch)
+            logps, term, router_stats = self.routed_logps(module, batch)  # MoE: + coef × router aux loss
             terms = self.terms(logps)
-            return terms.losses.sum(), dpo_stat_sums(terms, *logps)
+            return with_router(terms.losses.sum(), dpo_stat_sums(terms, *logps), term, router_stats)
 
         pairs = sum(b.num_pairs for b in micro_batches)
-        result = updater.update(engines["policy"], micro_batches, micro_loss, pairs, num_stats=len(DPO_STATS))
+        result, routed = routed_update(updater, engines["policy"], micro_batches, micro_loss, pairs, len(DPO_STATS))
         metrics = dpo_metrics(dict(zip(DPO_STATS, result.sums)), max(result.count, 1))
-        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count,
+                **routed}
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:

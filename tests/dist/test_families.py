@@ -79,9 +79,9 @@ def _records(run_dir: Path, log: str) -> list[dict]:
 
 def test_every_stage_trains(matrix, family, families):
     """SFT (packed rows), DPO and GRPO: 2 finite steps and an export transformers loads; DPO starts at ln 2 (policy
-    and reference built from one seed); an MoE model's SFT and DPO add and log its router aux loss, a dense one's
-    none (GRPO's update does not add it yet); what the family needed is said in the log (Gemma-2: eager
-    attention; Phi-3: its pad id)."""
+    and reference built from one seed); an MoE model's SFT, DPO and GRPO (the actor's update) add and log its router
+    aux loss, a dense one's none; what the family needed is said in the log (Gemma-2: eager attention; Phi-3: its
+    pad id)."""
     from transformers import AutoModelForCausalLM
 
     root, logs = matrix
@@ -100,6 +100,8 @@ def test_every_stage_trains(matrix, family, families):
     coef = getattr(model.config, "router_aux_loss_coef", 0.0) if family in families["moe"] else 0.0
     assert abs(dpo["loss"] - coef * dpo.get("aux_loss", 0.0) - math.log(2)) < 1e-6, dpo
     assert ("aux_loss" in dpo) == (family in families["moe"])
+    grpo = read_metrics(root / family / "grpo")[0]
+    assert all(("aux_loss" in r) == (family in families["moe"]) for r in grpo), grpo
     assert model.config.model_type == family and model.config.pad_token_id < model.config.vocab_size
     if family == "gemma2":
         assert "Gemma2ForCausalLM has no sdpa_segments in transformers (_supports_sdpa): eager" in logs[family]

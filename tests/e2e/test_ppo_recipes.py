@@ -1,6 +1,7 @@
-"""ppo_tiny and grpo_tiny as a user runs them (one run each, read by several tests): the score rises while the
-KL stays small, held-out greedy exact match improves, the first ratio is exactly 1 every iteration; a user's reward
-function by `module:attribute`; a reward model directory as the frozen reward role and the critic's start."""
+"""ppo_tiny, grpo_tiny, rloo_tiny and dapo_tiny as a user runs them (one run each, read by several tests): the score
+rises while the KL stays small, held-out greedy exact match improves, the first ratio is exactly 1 every iteration; a
+user's reward function by `module:attribute`; a reward model directory as the frozen reward role and the critic's
+start."""
 
 from __future__ import annotations
 
@@ -31,13 +32,23 @@ def grpo_run(tmp_path_factory) -> Path:
     return run_recipe(tmp_path_factory, "grpo_tiny")
 
 
+@pytest.fixture(scope="module")
+def rloo_run(tmp_path_factory) -> Path:
+    return run_recipe(tmp_path_factory, "rloo_tiny")
+
+
+@pytest.fixture(scope="module")
+def dapo_run(tmp_path_factory) -> Path:
+    return run_recipe(tmp_path_factory, "dapo_tiny")
+
+
 def windowed(train: list[dict], key: str) -> tuple[float, float]:
     """(mean of the first 10 iterations, mean of the last 10)."""
     first, last = train[:WINDOW], train[-WINDOW:]
     return sum(r[key] for r in first) / len(first), sum(r[key] for r in last) / len(last)
 
 
-@pytest.mark.parametrize("run_name", ["ppo_run", "grpo_run"])
+@pytest.mark.parametrize("run_name", ["ppo_run", "grpo_run", "rloo_run", "dapo_run"])
 def test_score_rises_while_kl_stays_small(run_name, request):
     train, evals = read_metrics(request.getfixturevalue(run_name))
     before, after = windowed(train, "score")

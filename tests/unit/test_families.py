@@ -179,3 +179,44 @@ def test_the_mean_term_is_averaged_over_micro_batches_and_ranks():
                                                                          micro_loss, 10)
     assert result.loss == pytest.approx(2 * (4 + 6) / 10 + 2 * (1 + 3) / (2 * 2))
     assert weight.grad.item() == pytest.approx((4 + 6) / 10 + (1 + 3) / 4)
+
+
+@pytest.mark.parametrize("stage_name", ["simpo", "orpo"])
+def test_reference_free_pair_stages_add_the_router_loss(stage_name):
+    """SimPO and ORPO on an MoE policy: the step's loss is the pair loss plus coef × the routers' aux loss (the same
+    as with the routers' term taken away), and aux_loss / expert_load_max are logged; as SFT and DPO (issue 19)."""
+    from llmtrain.backends.base import OptimizerSpec
+    from llmtrain.backends.ddp import DDPBackend
+    from llmtrain.losses.lm import IGNORE_INDEX
+    from llmtrain.parallel import DistContext
+    from llmtrain.roles import ModelOptions, build_engines
+    from llmtrain.stages.base import ModelSource
+    from llmtrain.stages.orpo import ORPOStage
+    from llmtrain.stages.simpo import SimPOStage
+
+    tokenizer = load_tokenizer(str(TOKENIZER_DIR), False)
+    fields = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2,
+              "router_aux_loss_coef": 0.5}
+    source = ModelSource(None, fields)
+    stage = (SimPOStage(source, tokenizer.pad_token_id, beta=2.0, gamma=0.5) if stage_name == "simpo"
+             else ORPOStage(source, tokenizer.pad_token_id, beta=0.1))
+    optim = OptimizerSpec(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
+                          min_lr_ratio=1.0, max_grad_norm=0.0, max_steps=1)
+    engines = build_engines(stage.roles, DDPBackend(DistContext(0, 0, 1, torch.device("cpu")), "fp32"), tokenizer,
+                            ModelOptions("sdpa", 0.0, False, 0), 0, optim)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(2):
+        prompt, chosen, rejected = (torch.randint(3, 200, (k,), generator=g).tolist() for k in (5, 4, 6))
+        rows.append({f"{side}_{key}": value for side, response in (("chosen", chosen), ("rejected", rejected))
+                     for key, value in (("input_ids", prompt + response),
+                                        ("labels", [IGNORE_INDEX] * len(prompt) + response))})
+    batch = stage.collate(rows)
+    with torch.no_grad():
+        plain = stage.logps(engines["policy"].module, batch)
+        pair_loss = ((stage.terms(plain) if stage_name == "simpo" else stage.terms(*plain[1:])).losses.mean().item())
+    metrics = stage.train_step([batch], engines, Updater(torch.device("cpu"), skip_nonfinite=False))
+    assert 1.5 < metrics["aux_loss"] < 4 and 1 <= metrics["expert_load_max"] <= 4
+    if stage_name == "simpo":
+        assert metrics["loss"] == pytest.approx(pair_loss + 0.5 * metrics["aux_loss"], rel=1e-5)

@@ -131,7 +131,8 @@ def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
     attention = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0]])
     actions = torch.tensor([[True, True, True, False, False], [True, True, False, False, False]])
     zeros = torch.zeros(2, 5)
-    exp = Experience(sequences, attention, actions, zeros, zeros, zeros, zeros, zeros, zeros, torch.zeros(2), zeros)
+    exp = Experience(sequences, attention, actions, zeros, zeros, zeros, zeros, zeros, zeros, torch.zeros(2), zeros,
+                     torch.ones(2, dtype=torch.bool))
     trimmed = exp.trimmed()
     assert trimmed.num_actions == 3 and trimmed.sequences.shape == (2, 6)  # 1 left column, 2 right columns cut
     assert torch.equal(trimmed.sequences[:, -3:], sequences[:, 4:7])
@@ -143,6 +144,7 @@ def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
     (["ppo.scale_rewards=none"], "ppo.scale_rewards=none scales grpo's advantages"),
     (["ppo.loss_agg=seq_mean"], "ppo.loss_agg='seq_mean' is not one of token_mean"),
     (["ppo.clip_ratio_c=1.0"], "ppo.clip_ratio_c=1.0 must be > 1"),
+    (["ppo.overlong.buffer=64"], "ppo.overlong.buffer=64 must be in [0, ppo.rollout.max_new_tokens"),
     (["ppo.reward.function=null"], "exactly one of ppo.reward.model"),
     (["ppo.reward.model=/somewhere"], "exactly one of ppo.reward.model"),
     (["ppo.reward.function=nocolon"], "must be module:attribute"),
@@ -357,3 +359,28 @@ def test_generation_in_batches_gives_the_same_greedy_rollout():
     assert whole.ended.any() and whole.action_mask.sum(-1).min() < 12  # some rows stop early
     for field in ("sequences", "attention_mask", "action_mask", "ended"):
         assert torch.equal(getattr(whole, field), getattr(batched, field)), field
+
+
+
+def test_dapo_overlong_penalty_by_hand():
+    """max_new_tokens 10, buffer 4, penalty 0.5: lengths ≤ 6 pay nothing, 8 pays 0.5·2/4, 10 the whole 0.5."""
+    shaping = ScoreShaping(overlong_buffer=4, overlong_penalty=0.5, max_new_tokens=10)
+    scores = shaping.apply(torch.ones(4), ended=torch.ones(4, dtype=torch.bool), lengths=torch.tensor([3, 6, 8, 10]))
+    torch.testing.assert_close(scores, torch.tensor([1.0, 1.0, 0.75, 0.5]))
+
+
+def test_truncated_responses_train_nothing_but_their_scores_count():
+    """ppo.mask_truncated: the row cut at max_new_tokens loses its action tokens (no loss of any kind) after its score
+    entered the group's statistics: the other row's advantage is what it was."""
+    from llmtrain.stages.ppo.experience import without_truncated
+
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    filled = torch.full((2, 3), 0.7)
+    exp = Experience(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long), mask, filled, filled,
+                     filled, filled, torch.tensor([[1.0] * 3, [-1.0] * 3]), filled, torch.tensor([1.0, 0.0]), filled,
+                     torch.tensor([True, False]))
+    masked = without_truncated(exp)
+    assert masked.action_mask.tolist() == [[True] * 3, [False] * 3]
+    assert torch.equal(masked.advantages, torch.tensor([[1.0] * 3, [0.0] * 3]))
+    assert masked.old_logps[1].abs().sum() == 0 and masked.kl[1].abs().sum() == 0
+    assert torch.equal(masked.scores, exp.scores)

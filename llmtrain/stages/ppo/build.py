@@ -102,6 +102,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
         temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
         group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size, scale_rewards=p.scale_rewards,
+        mask_truncated=p.mask_truncated,
         old_logps_from_update=old_logps_from_update(p))
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
@@ -109,7 +110,8 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                             temperature=rollout.temperature, clip_eps_high=p.clip_eps_high,
                             clip_ratio_c=p.clip_ratio_c, ratio_level=p.ratio, loss_agg=p.loss_agg,
                             max_new_tokens=rollout.max_new_tokens)
-    shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty,
+    shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty, overlong_buffer=p.overlong.buffer,
+                           overlong_penalty=p.overlong.penalty, max_new_tokens=rollout.max_new_tokens,
                            statistics=reward_model_statistics(r.model) if r.normalize else None)
     if r.normalize and shaping.statistics is None:
         raise ConfigError(f"ppo.reward.normalize=true: {r.model}/config.json has no reward_mean/reward_std (a reward "

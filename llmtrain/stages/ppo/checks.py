@@ -112,6 +112,9 @@ def _value_problems(p: Any, rollout: Any, kl: Any) -> list[str]:
                         "held-out eval is greedy already)")
     if not 0 < rollout.top_p <= 1:
         problems.append(f"ppo.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if not 0 <= p.overlong.buffer < rollout.max_new_tokens or p.overlong.penalty < 0:
+        problems.append(f"ppo.overlong.buffer={p.overlong.buffer} must be in [0, ppo.rollout.max_new_tokens="
+                        f"{rollout.max_new_tokens}) and ppo.overlong.penalty={p.overlong.penalty} >= 0")
     if rollout.generation_batch_size < 0:
         problems.append(f"ppo.rollout.generation_batch_size={rollout.generation_batch_size} must be >= 0 (0: a rank's "
                         "sequences in one generate call)")

@@ -53,6 +53,12 @@ class PPOKLConfig:
 
 
 @dataclass
+class PPOOverlongConfig:
+    buffer: int = 0  # DAPO's soft overlong punishment over the last `buffer` of max_new_tokens; 0: off
+    penalty: float = 1.0  # the score lost by a response that reaches max_new_tokens
+
+
+@dataclass
 class PPOConfig:
     """stage=ppo / stage=grpo: one trainer step = one rollout + ppo.epochs passes over it in mini-batches."""
     actor: PPORoleConfig = field(default_factory=PPORoleConfig)
@@ -60,6 +66,8 @@ class PPOConfig:
     reward: PPORewardConfig = field(default_factory=PPORewardConfig)
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
     kl: PPOKLConfig = field(default_factory=PPOKLConfig)
+    overlong: PPOOverlongConfig = field(default_factory=PPOOverlongConfig)
+    mask_truncated: bool = False  # a response cut at max_new_tokens trains nothing (TRL's mask_truncated_completions)
     advantage: str = "gae"  # gae (critic) | grpo | rloo | reinforce_pp | reinforce_pp_baseline (no critic)
     scale_rewards: str = "group"  # grpo: divide by the group's std | batch: the batch's | none (Dr. GRPO)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm

@@ -11,7 +11,7 @@ and no dropout as the update's own. Values: V_t from the hidden state before act
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -36,6 +36,7 @@ class Experience:
     returns: torch.Tensor  # (B, A) fp32: advantages + values before whitening (zeros without a critic)
     scores: torch.Tensor  # (B,) fp32: the shaped score of each sequence
     kl: torch.Tensor  # (B, A) fp32: the per-token KL estimate in the reward (0 off the mask)
+    ended: torch.Tensor  # (B,) bool: the response ends in a stop token (False: cut at max_new_tokens)
 
     @classmethod
     def of_rollout(cls, rollout: Rollout, scores: torch.Tensor) -> Experience:
@@ -45,7 +46,7 @@ class Experience:
 
         return cls(sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
                    old_logps=zeros(), ref_logps=zeros(), values=zeros(), token_rewards=zeros(), advantages=zeros(),
-                   returns=zeros(), scores=scores.float(), kl=zeros())
+                   returns=zeros(), scores=scores.float(), kl=zeros(), ended=rollout.ended)
 
     @property
     def num_actions(self) -> int:
@@ -102,6 +103,7 @@ class ExperienceSettings:
     group_size: int
     micro_batch_size: int
     scale_rewards: str = "group"
+    mask_truncated: bool = False  # a response cut at max_new_tokens trains nothing (its score still counts)
     # One optimizer step per rollout and no KL in the reward (GRPO's usual setting, TRL's default): the update's
     # own forward gives the old log-probs (ratio 1 by construction), so the experience skips the actor's forward.
     old_logps_from_update: bool = False
@@ -153,6 +155,17 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
         group_size=settings.group_size, gamma=settings.gamma, lam=settings.lam, scale_rewards=settings.scale_rewards))
     if settings.whiten_advantages:
         advantages = whiten(advantages, mask, reduce=False)  # the batch is global on every rank
-    return Experience(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=mask, old_logps=old,
+    made = Experience(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=mask, old_logps=old,
                       ref_logps=ref, values=values, token_rewards=rewards, advantages=advantages,
-                      returns=torch.zeros_like(old) if returns is None else returns, scores=exp.scores, kl=kl)
+                      returns=torch.zeros_like(old) if returns is None else returns, scores=exp.scores, kl=kl,
+                      ended=exp.ended)
+    return without_truncated(made) if settings.mask_truncated else made
+
+
+def without_truncated(exp: Experience) -> Experience:
+    """TRL's mask_truncated_completions: a response cut at max_new_tokens gets no action token (no policy, value or
+    KL loss); its score already counted in its group's statistics and the whitening."""
+    mask = exp.action_mask & exp.ended.unsqueeze(1)  # (B, A)
+    kept = {name: torch.where(mask, getattr(exp, name), 0.0) for name in
+            ("old_logps", "ref_logps", "values", "token_rewards", "advantages", "returns", "kl")}
+    return replace(exp, action_mask=mask, **kept)

@@ -183,9 +183,12 @@ class ScoreShaping:
     clip: float | None = None
     statistics: tuple[float, float] | None = None  # (mean, std) to normalise with
     missing_eos_penalty: float | None = None
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment: the last `buffer` of max_new_tokens cost up to penalty
+    overlong_penalty: float = 1.0
+    max_new_tokens: int = 0
 
-    def apply(self, scores: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
-        """(B,) raw scores -> (B,) the scores PPO optimises."""
+    def apply(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) raw scores, whether each response ended, its length in tokens -> (B,) the scores PPO optimises."""
         if self.statistics is not None:
             mean, std = self.statistics
             scores = (scores - mean) / max(std, 1e-8)
@@ -193,6 +196,10 @@ class ScoreShaping:
             scores = scores.clamp(-self.clip, self.clip)
         if self.missing_eos_penalty is not None:
             scores = scores + (~ended).float() * self.missing_eos_penalty
+        if self.overlong_buffer > 0:
+            # DAPO (Yu et al. 2025, verl's overlong_buffer): −penalty · (tokens past max − buffer) / buffer, at most 0
+            exceed = lengths.float() - (self.max_new_tokens - self.overlong_buffer)
+            scores = scores + (-exceed / self.overlong_buffer * self.overlong_penalty).clamp(max=0.0)
         return scores
 
 

@@ -28,7 +28,7 @@ from llmtrain.losses.ppo import (
 )
 from llmtrain.parallel import all_reduce_max
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.head import action_answer
+from llmtrain.stages.head import action_answer, routed_update, with_router
 from llmtrain.stages.ppo.experience import (
     Experience,
     ExperienceSettings,
@@ -130,7 +130,8 @@ class PPOStage(Stage):
                            eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank), group=actor.dp_group)
         rolled = time.perf_counter()
         raw, function_means = self.raw_scores(rollout, engines)
-        gathered = gather_rollout(rollout, self.shaping.apply(raw, rollout.ended), actor.dp_group)
+        gathered = gather_rollout(rollout, self.shaping.apply(raw, rollout.ended, rollout.action_mask.sum(-1)),
+                                  actor.dp_group)
         layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
         self.kl_loss_coef = kl_coef if self.update.kl_in_loss else 0.0
@@ -184,15 +185,17 @@ class PPOStage(Stage):
         critic = engines.get("critic")
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "count": 0, **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
         first_dev = [0.0]
-        last = None
+        last, router_sums = None, {}
         for epoch, layout in enumerate(layouts):
             for k, micro_rows in enumerate(layout):
                 micro = [exp.select(rows).trimmed() for rows in micro_rows]
                 tokens = sum(int(mb.action_mask.sum()) for mb in micro)
                 count = sum(self._aggregation(mb)[1] for mb in micro)  # tokens, or sequences (ppo.loss_agg)
                 track = first_dev if epoch == 0 and k == 0 else None
-                last = updater.update(actor, micro, partial(self._policy_loss, first_dev=track), count,
-                                      num_stats=len(POLICY_STATS))
+                last, routed = routed_update(updater, actor, micro, partial(self._policy_loss, first_dev=track), count,
+                                             len(POLICY_STATS))
+                for name, value in routed.items():  # MoE actor: the routers' aux loss, averaged over the updates
+                    router_sums[name] = router_sums.get(name, 0.0) + value / (len(layouts) * len(layout))
                 sums["policy_loss"] += last.loss * last.count
                 sums["count"] += last.count
                 for name, value in zip(POLICY_STATS, last.sums):
@@ -208,7 +211,7 @@ class PPOStage(Stage):
         metrics = {"loss": policy_loss, "policy_loss": policy_loss,
                    "clip_frac": sums["clipped"] / tokens, "approx_kl": sums["approx_kl"] / tokens,
                    "entropy": sums["entropy"] / tokens, "first_ratio_dev": first_ratio_dev,
-                   "lr": last.lr, "grad_norm": last.grad_norm}
+                   "lr": last.lr, "grad_norm": last.grad_norm, **router_sums}
         if self.kl_loss_coef > 0:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
         if self.experience.old_logps_from_update:  # the KL to the reference, from the update's forward
@@ -221,8 +224,9 @@ class PPOStage(Stage):
 
     def _policy_loss(self, module, mb: Experience, first_dev: list | None = None):
         u = self.update
-        answer = action_answer(module, model_inputs(mb.sequences, mb.attention_mask), mb.sequences, mb.num_actions,
-                               u.temperature, entropy=True)
+        answer, router_term, router_stats = action_answer(module, model_inputs(mb.sequences, mb.attention_mask),
+                                                          mb.sequences, mb.num_actions, u.temperature, entropy=True,
+                                                          route=True)  # MoE: + coef × the routers' aux loss
         logps = answer.logps  # (b, A)
         mask = mb.action_mask
         old = logps.detach() if self.experience.old_logps_from_update else mb.old_logps
@@ -244,7 +248,7 @@ class PPOStage(Stage):
             first_dev[0] = max(first_dev[0], deviation)
         stats = torch.stack([terms.clipped.float().sum(), terms.approx_kl.sum(), entropy.detach().sum(),
                              kl_loss.detach().sum(), mask.sum().float()])
-        return loss, stats
+        return with_router(loss, stats, router_term, router_stats)
 
     def _aggregation(self, mb: Experience) -> tuple[torch.Tensor, int]:
         return aggregation_weights(mb.action_mask, self.update.loss_agg, self.update.max_new_tokens)
