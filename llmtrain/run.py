@@ -19,7 +19,14 @@ from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
-from llmtrain.models.load import attention_for_family, load_tokenizer, model_config, resolve_attn_implementation
+from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
+from llmtrain.models.load import (
+    attention_for_family,
+    load_tokenizer,
+    model_config,
+    packed_window_problems,
+    resolve_attn_implementation,
+)
 from llmtrain.models.lora import LoraSettings
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
@@ -101,6 +108,10 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     attn = attention_for_family(attn, m.attn_implementation, configs)  # what each role's class supports (Gemma-2)
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
     attn = attention_for_family(stage.attention(attn), m.attn_implementation, configs)  # PPO: left padding, a mask
+    if packs_rows(cfg, attn):
+        problems = packed_window_problems(attn, configs, d.max_seq_len)
+        if problems:
+            raise ConfigError("; ".join(problems))
     data = load_stage_data(cfg, tokenizer)
     if ctx.is_main:
         log.info("train data: %s", data.train_stats.summary())
@@ -163,6 +174,12 @@ def export(stage, engines: dict, tokenizer, run_dir: Path, ctx: DistContext) -> 
             log.info("%s: Hugging Face export in %s", role, directory)
     if ctx.is_main:
         log.info("done: %d roles exported", len(trainable))
+
+
+def packs_rows(cfg: DictConfig, attn: str) -> bool:
+    """Several samples share a row: data.packing, or a pair stage's padding-free pairs under a flex attention (the
+    other padding-free attentions keep sliding windows: models/load.WINDOW_KEEPING)."""
+    return cfg.data.packing or (stage_spec(cfg.stage.name).pairs and attn in FLEX_IMPLEMENTATIONS)
 
 
 def fused_head_chunk(m: DictConfig, ctx: DistContext) -> int | None:

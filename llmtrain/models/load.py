@@ -205,6 +205,30 @@ def _unsupported_message(requested: str, config: PretrainedConfig, cls: type, su
             f"transformers; use one of: auto, {', '.join(supported)}")
 
 
+WINDOW_KEEPING = ("sdpa_segments", "flash_attention_2", "flash_attention_3")  # packed rows with sliding windows kept
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window of a family whose layers (some or all) slide (Mistral, Gemma-2/3); None when none do."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def packed_window_problems(attn: str, configs: list[PretrainedConfig], max_seq_len: int) -> list[str]:
+    """Packed rows reach eager/sdpa as one dense block-causal mask and flex as a document BlockMask, for every layer
+    alike: a sliding layer would see its whole sample. Refused where a sample can be longer than the window."""
+    if attn in WINDOW_KEEPING:
+        return []
+    return [f"model.attn_implementation={attn} with packed rows: {config.model_type}'s sliding window of "
+            f"{sliding_window(config)} tokens would be lost (one block-causal mask for every layer), and "
+            f"data.max_seq_len={max_seq_len} is longer; use model.attn_implementation=sdpa_segments (it keeps the "
+            "window), flash_attention_2 on a GPU, or data.packing=false"
+            for config in configs if sliding_window(config) is not None and max_seq_len > sliding_window(config)]
+
+
 def family_attention_problems(requested: str, configs: list[PretrainedConfig]) -> list[str]:
     """An explicit `model.attn_implementation` that a role's transformers class does not run, one line per family,
     each naming the field and the fix (validation: from the architecture config alone, before any weights)."""

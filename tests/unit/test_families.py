@@ -220,3 +220,19 @@ def test_reference_free_pair_stages_add_the_router_loss(stage_name):
     assert 1.5 < metrics["aux_loss"] < 4 and 1 <= metrics["expert_load_max"] <= 4
     if stage_name == "simpo":
         assert metrics["loss"] == pytest.approx(pair_loss + 0.5 * metrics["aux_loss"], rel=1e-5)
+
+
+def test_packed_rows_that_would_lose_a_sliding_window_are_refused():
+    """Packed rows reach eager/sdpa/flex as one mask for every layer: a sliding layer (Gemma-2: eager only) would see
+    its whole sample. Refused, naming the fix, where a sample can outgrow the window; sdpa_segments and flash keep
+    windows; families without sliding layers (Qwen2: layer_types all full) and short samples pass."""
+    from llmtrain.models.load import packed_window_problems, sliding_window
+
+    gemma2, mistral, qwen2 = config("gemma2", sliding_window=8), config("mistral", sliding_window=8), config("qwen2")
+    assert (sliding_window(gemma2), sliding_window(mistral), sliding_window(qwen2)) == (8, 8, None)
+    problems = packed_window_problems("eager", [gemma2, qwen2], max_seq_len=64)
+    assert len(problems) == 1 and "gemma2's sliding window of 8 tokens would be lost" in problems[0]
+    assert "sdpa_segments (it keeps the window), flash_attention_2 on a GPU, or data.packing=false" in problems[0]
+    assert packed_window_problems("flex_segments", [mistral], 64) and packed_window_problems("sdpa", [mistral], 64)
+    assert packed_window_problems("sdpa_segments", [gemma2, mistral], 64) == []
+    assert packed_window_problems("eager", [gemma2], max_seq_len=8) == []
