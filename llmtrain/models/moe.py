@@ -11,10 +11,11 @@ micro-batches and ranks (stages/base.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 # the config fields that name the expert count, by family (Mixtral's, then Qwen-MoE's and most others')
@@ -75,3 +76,22 @@ ROUTER_STATS = ("aux_loss", "expert_load_max")
 def router_metrics(sums: list[float], micro_batches: int, dp_size: int) -> dict[str, float]:
     """The ROUTER_STATS sums over the step's micro-batches and ranks -> their means (logged as aux_loss, ...)."""
     return {name: value / (micro_batches * dp_size) for name, value in zip(ROUTER_STATS, sums)}
+
+
+@contextlib.contextmanager
+def captured_router_logits(model: torch.nn.Module):
+    """Within the block, each forward of the model's backbone appends its router logits (per MoE layer (B·T, E)) to
+    the yielded list: a sequence classifier (reward model, critic) drops them from its own output."""
+    backbone = next(m for m in model.modules() if isinstance(m, PreTrainedModel) and m.base_model is m)
+    captured: list = []
+    handle = backbone.register_forward_hook(lambda module, args, out: captured.append(out.router_logits))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def router_terms(router: Router, router_logits: tuple, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (coef × aux loss (0-d, with grad), (aux, busiest expert's load) (2,) detached), as `router_forward`."""
+    aux, busiest = router_losses(router, router_logits, token_mask)
+    return router.coef * aux, torch.stack([aux.detach(), busiest])

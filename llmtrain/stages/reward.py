@@ -19,7 +19,9 @@ import torch
 from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise_metrics, pairwise_stat_sums
 from llmtrain.models.heads import scores_at
 from llmtrain.models.load import use_distinct_pad_token
+from llmtrain.models.moe import captured_router_logits, router_of, router_terms
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.head import routed_update, with_router
 from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
 
 ROLE = "reward"
@@ -47,18 +49,29 @@ class RewardStage(Stage):
         rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs())  # (2P,)
         return batch.split(rewards)
 
+    def routed_scores(self, engine, forward, batch: PairBatch):
+        """`scores`, with an MoE model's routers' term and statistics (None, None for a dense one)."""
+        router = router_of(engine.module)
+        if router is None:
+            return self.scores(engine, forward, batch), None, None
+        with captured_router_logits(engine.model) as router_logits:
+            rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs(),
+                                output_router_logits=True)  # (2P,)
+        return (batch.split(rewards), *router_terms(router, router_logits[-1], batch.rows.token_mask()))
+
     def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
         engine = engines[ROLE]
 
         def micro_loss(module, batch: PairBatch):
-            chosen, rejected = self.scores(engine, module, batch)
+            (chosen, rejected), term, router_stats = self.routed_scores(engine, module, batch)  # MoE: + coef × aux
             loss = pairwise_loss_sum(chosen, rejected, batch.margin, self.center_coef)
-            return loss, pairwise_stat_sums(chosen, rejected)
+            return with_router(loss, pairwise_stat_sums(chosen, rejected), term, router_stats)
 
         pairs = sum(b.num_pairs for b in micro_batches)
-        result = updater.update(engine, micro_batches, micro_loss, pairs, num_stats=len(PAIRWISE_STATS))
+        result, routed = routed_update(updater, engine, micro_batches, micro_loss, pairs, len(PAIRWISE_STATS))
         metrics = pairwise_metrics(dict(zip(PAIRWISE_STATS, result.sums)), max(result.count, 1))
-        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count}
+        return {"loss": result.loss, **metrics, "lr": result.lr, "grad_norm": result.grad_norm, "pairs": result.count,
+                **routed}
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:

@@ -181,17 +181,20 @@ def test_the_mean_term_is_averaged_over_micro_batches_and_ranks():
     assert weight.grad.item() == pytest.approx((4 + 6) / 10 + (1 + 3) / 4)
 
 
-@pytest.mark.parametrize("stage_name", ["simpo", "orpo"])
+@pytest.mark.parametrize("stage_name", ["simpo", "orpo", "rm"])
 def test_reference_free_pair_stages_add_the_router_loss(stage_name):
-    """SimPO and ORPO on an MoE policy: the step's loss is the pair loss plus coef × the routers' aux loss (the same
-    as with the routers' term taken away), and aux_loss / expert_load_max are logged; as SFT and DPO (issue 19)."""
+    """SimPO, ORPO and the reward model on an MoE model: the step's loss is the pair loss plus coef × the routers' aux
+    loss, and aux_loss / expert_load_max are logged; as SFT, DPO and the GRPO actor (issue 19). The reward model's
+    sequence classifier drops the router logits from its output: they are taken from its backbone's."""
     from llmtrain.backends.base import OptimizerSpec
     from llmtrain.backends.ddp import DDPBackend
     from llmtrain.losses.lm import IGNORE_INDEX
+    from llmtrain.losses.pairwise import pairwise_loss_sum
     from llmtrain.parallel import DistContext
     from llmtrain.roles import ModelOptions, build_engines
     from llmtrain.stages.base import ModelSource
     from llmtrain.stages.orpo import ORPOStage
+    from llmtrain.stages.reward import RewardStage
     from llmtrain.stages.simpo import SimPOStage
 
     tokenizer = load_tokenizer(str(TOKENIZER_DIR), False)
@@ -199,8 +202,9 @@ def test_reference_free_pair_stages_add_the_router_loss(stage_name):
               "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2,
               "router_aux_loss_coef": 0.5}
     source = ModelSource(None, fields)
-    stage = (SimPOStage(source, tokenizer.pad_token_id, beta=2.0, gamma=0.5) if stage_name == "simpo"
-             else ORPOStage(source, tokenizer.pad_token_id, beta=0.1))
+    stage = {"simpo": lambda: SimPOStage(source, tokenizer.pad_token_id, beta=2.0, gamma=0.5),
+             "orpo": lambda: ORPOStage(source, tokenizer.pad_token_id, beta=0.1),
+             "rm": lambda: RewardStage(source, tokenizer.pad_token_id)}[stage_name]()
     optim = OptimizerSpec(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
                           min_lr_ratio=1.0, max_grad_norm=0.0, max_steps=1)
     engines = build_engines(stage.roles, DDPBackend(DistContext(0, 0, 1, torch.device("cpu")), "fp32"), tokenizer,
@@ -213,12 +217,17 @@ def test_reference_free_pair_stages_add_the_router_loss(stage_name):
                      for key, value in (("input_ids", prompt + response),
                                         ("labels", [IGNORE_INDEX] * len(prompt) + response))})
     batch = stage.collate(rows)
+    engine = next(iter(engines.values()))
     with torch.no_grad():
-        plain = stage.logps(engines["policy"].module, batch)
-        pair_loss = ((stage.terms(plain) if stage_name == "simpo" else stage.terms(*plain[1:])).losses.mean().item())
+        if stage_name == "rm":
+            pair_loss = pairwise_loss_sum(*stage.scores(engine, engine.module, batch), batch.margin, 0.0).item() / 2
+        else:
+            plain = stage.logps(engine.module, batch)
+            terms = stage.terms(plain) if stage_name == "simpo" else stage.terms(*plain[1:])
+            pair_loss = terms.losses.mean().item()
     metrics = stage.train_step([batch], engines, Updater(torch.device("cpu"), skip_nonfinite=False))
     assert 1.5 < metrics["aux_loss"] < 4 and 1 <= metrics["expert_load_max"] <= 4
-    if stage_name == "simpo":
+    if stage_name != "orpo":  # ORPO's loss adds the chosen NLL per token
         assert metrics["loss"] == pytest.approx(pair_loss + 0.5 * metrics["aux_loss"], rel=1e-5)
 
 

@@ -148,7 +148,7 @@ def test_roles_must_share_the_data_parallel_layout():
 @pytest.mark.parametrize("overrides, message", [
     (["stage=reward", "data=reverse"], "stage reward trains on pairs: data.format='prompt_response'"),
     (["stage=dpo", "dpo.beta=0"], "dpo.beta=0.0 must be > 0"),
-    (["stage=dpo", "dpo.loss=hinge"], "dpo.loss='hinge' is not one of sigmoid, ipo"),
+    (["stage=dpo", "dpo.loss=kto"], "dpo.loss='kto' is not one of sigmoid, ipo, hinge, robust"),
     (["stage=dpo", "dpo.label_smoothing=0.5"], "dpo.label_smoothing=0.5 must be in"),
     (["stage=reward", "model.dropout=0.1"], "model.dropout=0.1 must be 0"),
     (["stage=reward", "data.packing=true"], "data.packing=true packs single sequences"),
