@@ -36,7 +36,7 @@ def worker(stage: str, vocab: int, fused: bool, steps: int) -> dict:
 
     from llmtrain.data.collate import collate
     from llmtrain.losses.lm import IGNORE_INDEX
-    from llmtrain.models.fused_head import HeadQuery, install, shifted_targets
+    from llmtrain.models.fused_head import HeadQuery, install, negative_log_likelihood, shifted_targets
     from llmtrain.stages.head import action_answer, lm_forward, target_logps
 
     torch.manual_seed(0)
@@ -57,7 +57,8 @@ def worker(stage: str, vocab: int, fused: bool, steps: int) -> dict:
 
     def step():
         if stage in ("sft", "sft-large"):
-            answer, _, _ = lm_forward(model, batch, HeadQuery(shifted_targets(batch.labels), loss_sum=True))
+            query = HeadQuery(shifted_targets(batch.labels), token_loss=negative_log_likelihood)
+            answer, _, _ = lm_forward(model, batch, query)
             loss = answer.loss_sum
         elif stage in ("sft-recompute", "dpo"):
             loss = -target_logps(model, batch)[0].logps.sum()  # DPO's per-token path; the pair loss is O(pairs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,15 +45,27 @@ def default_chunk_tokens(vocab: int, hidden: int) -> int:
     return int(min(4096, max(64, 2 ** round(math.log2(max(rows, 1.0))))))
 
 
+# A loss that is a sum over tokens, each token's term a function of that token's log p(target) and entropy alone:
+# (rows: a slice of the B·K flattened positions, log p (n,), entropy (n,) or None) -> 0-d sum over those rows.
+TokenLoss = Callable[[slice, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def negative_log_likelihood(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+    """Pretrain/SFT: −Σ log p over the targets (log p is 0 at ignored positions)."""
+    return -logp.sum()
+
+
 @dataclass(frozen=True)
 class HeadQuery:
     """What a stage asks of the LM head for one forward. targets: (B, K), the token each of the last K positions
-    predicts (IGNORE_INDEX where none); K = T keeps every position."""
+    predicts (IGNORE_INDEX where none); K = T keeps every position. token_loss: a loss summed over tokens, which the
+    fused head computes with its gradient chunk by chunk in the forward (no logits recomputed in backward); then the
+    answer's log-probs and entropy are values only (detached)."""
     targets: torch.Tensor
     temperature: float = 1.0
     entropy: bool = False
     accuracy: bool = False
-    loss_sum: bool = False  # only −Σ log p over the targets (pretrain/SFT training): gradient computed in forward
+    token_loss: TokenLoss | None = None
 
 
 @dataclass
@@ -60,7 +73,7 @@ class HeadAnswer:
     logps: torch.Tensor | None = None  # (B, K) fp32 log p(target), 0 where ignored
     entropy: torch.Tensor | None = None  # (B, K) fp32 entropy of softmax(logits / T)
     correct: torch.Tensor | None = None  # (B, K) bool argmax == target, on targets
-    loss_sum: torch.Tensor | None = None  # 0-d fp32 −Σ log p over the targets
+    loss_sum: torch.Tensor | None = None  # 0-d fp32: the query's token_loss, with its gradient
 
 
 # ---- the chunk maths (shared by both strategies) ----------------------------------------------------------------
@@ -97,28 +110,42 @@ def chunk_values(z: torch.Tensor, targets: torch.Tensor, s: ChunkSettings):
 
 def chunk_grad_z(log_probs: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor,
                  grad_entropy: torch.Tensor | None, entropy: torch.Tensor | None) -> torch.Tensor:
-    """d(Σ g_logp·log p + g_H·H)/dz, (n, V) fp32: (onehot − p)·g_logp on targets, −p·(log p + H)·g_H."""
-    p = log_probs.exp()  # (n, V)
+    """d(Σ g_logp·log p + g_H·H)/dz, (n, V) fp32: (onehot − p)·g_logp on targets, −p·(log p + H)·g_H. Consumes
+    `log_probs` (overwritten in place: a chunk's (n, V) buffers are the whole memory of the fused head)."""
     g = grad_logp * (targets != IGNORE_INDEX)  # (n,)
-    grad = p * -g.unsqueeze(1)
+    if grad_entropy is None:
+        grad = log_probs.exp_()  # p, in log_probs' buffer
+    else:
+        grad = log_probs.exp()  # p
+        entropy_part = log_probs.add_(entropy.unsqueeze(1)).mul_(grad).mul_(grad_entropy.unsqueeze(1))  # p(log p+H)g_H
+    grad.mul_(-g.unsqueeze(1))
     grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), g.unsqueeze(1))
     if grad_entropy is not None:
-        grad -= p * (log_probs + entropy.unsqueeze(1)) * grad_entropy.unsqueeze(1)
+        grad.sub_(entropy_part)
     return grad
 
 
-def linear_grads(grad_z: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                 s: ChunkSettings, compute_dtype: torch.dtype):
-    """Back through / T, the softcap and the linear: (grad hidden (n, h), grad weight (V, h), grad bias (V,))."""
+def accumulate_linear_grads(grad_z: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                            s: ChunkSettings, compute_dtype: torch.dtype, grad_hidden: torch.Tensor,
+                            grad_weight: torch.Tensor, grad_bias: torch.Tensor | None) -> None:
+    """Back through / T, the softcap and the linear (grad_z is consumed): writes the chunk's rows of grad_hidden
+    (n, h) and adds to grad_weight (V, h) fp32 and grad_bias (V,) fp32, inside the matmul where the dtypes allow."""
     if s.temperature != 1.0:
-        grad_z = grad_z / s.temperature
+        grad_z.div_(s.temperature)
     if s.softcap is not None:
         capped = z * s.temperature  # the softcapped logits
-        grad_z = grad_z * (1 - (capped / s.softcap) ** 2)
+        grad_z.mul_(1 - (capped / s.softcap) ** 2)
+    if grad_bias is not None:
+        grad_bias += grad_z.sum(0)
     g = grad_z.to(compute_dtype)
-    grad_hidden = (g @ weight.to(compute_dtype)).to(hidden.dtype)
-    grad_weight = (g.t() @ hidden.to(compute_dtype)).to(weight.dtype)
-    return grad_hidden, grad_weight, grad_z.sum(0)
+    if g.dtype == weight.dtype == grad_hidden.dtype:
+        torch.mm(g, weight, out=grad_hidden)
+    else:
+        grad_hidden.copy_(g @ weight.to(compute_dtype))
+    if g.dtype == hidden.dtype == grad_weight.dtype:
+        grad_weight.addmm_(g.t(), hidden)
+    else:
+        grad_weight += (g.t() @ hidden.to(compute_dtype)).float()
 
 
 def chunks(n: int, size: int):
@@ -157,53 +184,63 @@ class ChunkedTokenLogps(torch.autograd.Function):
                 _, log_probs, entropy, _ = chunk_values(z, targets[rows], s)
                 grad_z = chunk_grad_z(log_probs, targets[rows], grad_out[rows, 0],
                                       grad_out[rows, 1] if s.entropy else None, entropy)
-                gh, gw, gb = linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(z, hidden, weight))
-                grad_hidden[rows] = gh
-                grad_weight += gw
-                if grad_bias is not None:
-                    grad_bias += gb
+                accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(z, hidden, weight),
+                                        grad_hidden[rows], grad_weight, grad_bias)
         return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
                 None, None)
 
 
-class ChunkedLossSum(torch.autograd.Function):
-    """hidden (N, h), weight, bias, targets (N,) -> 0-d fp32 −Σ log p(target). Each chunk's gradient is computed in
-    the forward (when a gradient is needed) and scaled by the upstream gradient in backward."""
+class ChunkedTokenLoss(torch.autograd.Function):
+    """hidden (N, h), weight, bias, targets (N,) -> (N, 3) fp32: log p(target) and entropy (values only), and in
+    [0, 2] the token loss summed over every chunk, the one entry with a gradient. Each chunk's gradient is computed in
+    the forward from the loss's gradient w.r.t. its tokens' log p and entropy, and scaled by the upstream gradient
+    in backward: no logits are recomputed."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, s: ChunkSettings, needs_grad: bool):
+    def forward(ctx, hidden, weight, bias, targets, s: ChunkSettings, needs_grad: bool, token_loss: TokenLoss):
+        out = torch.zeros(hidden.shape[0], 3, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
         # the weight's and bias's gradients stay fp32 until the backward's scaling, then take the parameter's dtype
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if needs_grad and bias is not None else None
         for rows in chunks(hidden.shape[0], s.chunk_tokens):
             z = chunk_logits(hidden[rows], weight, bias, s)
-            logp, log_probs, _, _ = chunk_values(z, targets[rows], s)
-            total -= logp.sum()
+            logp, log_probs, entropy, _ = chunk_values(z, targets[rows], s)
+            out[rows, 0] = logp
+            if entropy is not None:
+                out[rows, 1] = entropy
+            leaves = [logp.requires_grad_(needs_grad), None if entropy is None else entropy.requires_grad_(needs_grad)]
+            with torch.enable_grad():
+                loss = token_loss(rows, *leaves)
+            total += loss.detach().float()
             if needs_grad:
-                grad_z = chunk_grad_z(log_probs, targets[rows], torch.full_like(logp, -1.0), None, None)
-                gh, gw, gb = linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(z, hidden, weight))
-                grad_hidden[rows] = gh
-                grad_weight += gw
-                if grad_bias is not None:
-                    grad_bias += gb
+                wanted = [leaf for leaf in leaves if leaf is not None]
+                grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+                grad_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
+                grad_entropy = grads[1] if entropy is not None else None
+                grad_z = chunk_grad_z(log_probs, targets[rows], grad_logp.detach(),
+                                      None if grad_entropy is None else grad_entropy.detach(),
+                                      None if entropy is None else entropy.detach())
+                accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(z, hidden, weight),
+                                        grad_hidden[rows], grad_weight, grad_bias)
+        out[0, 2] = total
         # saved (not kept on ctx) so that autograd, and the live cost's saved-tensor meter, see what is held
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
         ctx.has_bias = grad_bias is not None
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
-        return total
+        return out
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_out):
         if not ctx.saved_tensors:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
-        scale = grad_total.float()
+        scale = grad_out[0, 2].float()  # log p and entropy are values only: their gradients are not followed
         grad_bias = (grad_bias[0] * scale).to(ctx.bias_dtype) if ctx.has_bias else None
         return (grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), grad_bias,
-                None, None, None)
+                None, None, None, None)
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -240,10 +277,12 @@ class FusedHeadMixin:
         settings = ChunkSettings(self.chunk_tokens or default_chunk_tokens(self.out_features, self.in_features),
                                  query.temperature, self.softcap, query.entropy, query.accuracy)
         flat, targets = hidden.flatten(0, 1), query.targets.flatten()
-        if query.loss_sum:
+        if query.token_loss is not None:
             needs_grad = torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)
-            return ChunkedLossSum.apply(flat, self.weight, self.bias, targets, settings, needs_grad).reshape(1, 1, 1)
-        return ChunkedTokenLogps.apply(flat, self.weight, self.bias, targets, settings).view(*hidden.shape[:2], 3)
+            out = ChunkedTokenLoss.apply(flat, self.weight, self.bias, targets, settings, needs_grad, query.token_loss)
+        else:
+            out = ChunkedTokenLogps.apply(flat, self.weight, self.bias, targets, settings)
+        return out.view(*hidden.shape[:2], 3)
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -290,11 +329,12 @@ class Asking:
         if self.head is None:
             return unfused_answer(logits, self.query)
         self.check_returned(logits)
-        if self.query.loss_sum:
-            return HeadAnswer(loss_sum=logits.reshape(()))
-        logps, entropy, correct = logits.unbind(-1)  # each (B, K)
+        logps, entropy, third = logits.unbind(-1)  # each (B, K)
+        if self.query.token_loss is not None:  # third: the loss at [0, 0], the only entry with a gradient
+            return HeadAnswer(logps=logps.detach(), entropy=entropy.detach() if self.query.entropy else None,
+                              loss_sum=third[0, 0])
         return HeadAnswer(logps=logps, entropy=entropy if self.query.entropy else None,
-                          correct=correct.bool() if self.query.accuracy else None)
+                          correct=third.bool() if self.query.accuracy else None)
 
     def check_returned(self, logits: torch.Tensor) -> None:
         """The first fused forward of a head: the model must hand back what the head returned."""
@@ -314,13 +354,15 @@ def unfused_answer(logits: torch.Tensor, q: HeadQuery) -> HeadAnswer:
         scaled = scaled / q.temperature
     logps = -F.cross_entropy(scaled.flatten(0, 1), q.targets.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="none").view_as(q.targets)  # (B, K), 0 where ignored
-    if q.loss_sum:
-        return HeadAnswer(loss_sum=-logps.sum())
     entropy = None
     if q.entropy:
         logp_all = F.log_softmax(scaled, dim=-1)  # (B, K, V)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     correct = (logits.argmax(-1) == q.targets) & (q.targets != IGNORE_INDEX) if q.accuracy else None
+    if q.token_loss is not None:
+        every = slice(0, logps.numel())
+        loss = q.token_loss(every, logps.flatten(), None if entropy is None else entropy.flatten())
+        return HeadAnswer(logps=logps.detach(), entropy=None if entropy is None else entropy.detach(), loss_sum=loss)
     return HeadAnswer(logps=logps, entropy=entropy, correct=correct)
 
 

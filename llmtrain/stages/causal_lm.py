@@ -13,7 +13,7 @@ import torch
 
 from llmtrain.data.collate import Batch, collate
 from llmtrain.losses.lm import count_target_tokens
-from llmtrain.models.fused_head import HeadQuery, shifted_targets
+from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood, shifted_targets
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.head import lm_forward, routed_update, target_logps, with_router
 from llmtrain.stages.spec import SFT_FORMATS, StageSpec
@@ -31,8 +31,8 @@ class CausalLMStage(Stage):
     def micro_batch_loss(module: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, ...]:
         """Summed loss over the micro-batch's target tokens (the updater normalises it); no statistics. An MoE model
         adds its routers' coef × aux loss as the mean term, and (aux, busiest expert's load) as statistics."""
-        answer, aux_term, router_stats = lm_forward(module, batch, HeadQuery(shifted_targets(batch.labels),
-                                                                           loss_sum=True), route=True)
+        query = HeadQuery(shifted_targets(batch.labels), token_loss=negative_log_likelihood)
+        answer, aux_term, router_stats = lm_forward(module, batch, query, route=True)
         loss_sum = answer.loss_sum  # −Σ log p over the target tokens: the head's chunks, never the (B, T, V) logits
         return with_router(loss_sum, torch.zeros(0, device=loss_sum.device), aux_term, router_stats)
 

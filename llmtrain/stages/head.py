@@ -33,22 +33,30 @@ def pair_logps(module: torch.nn.Module, batch, average: bool, route: bool = Fals
 
 
 def action_answer(module: torch.nn.Module, inputs: dict, sequences: torch.Tensor, num_actions: int,
-                  temperature: float, entropy: bool = False, route: bool = False):
+                  temperature: float, entropy: bool = False, route: bool = False, token_loss=None):
     """Rollout rows `sequences` (b, T) (`inputs`: their model inputs, with the attention mask) whose last A tokens
     are actions -> log p of each action (b, A), and its entropy (b, A) when asked, under softmax(logits / temperature);
-    only the last A + 1 positions reach the head. With `route`: (answer, MoE term, MoE statistics)."""
+    only the last A + 1 positions reach the head. With `route`: (answer, MoE term, MoE statistics). token_loss: a
+    models/fused_head.TokenLoss over the b·(A + 1) flattened positions (`flat_actions` lays tensors out so), whose sum
+    is the answer's loss_sum."""
     if not 0 < num_actions < sequences.size(1):
         raise ValueError(f"num_actions={num_actions} must be in [1, T) for T={sequences.size(1)} positions")
-    query = HeadQuery(action_targets(sequences, num_actions), temperature=temperature, entropy=entropy)
+    query = HeadQuery(action_targets(sequences, num_actions), temperature=temperature, entropy=entropy,
+                      token_loss=token_loss)
     with asking(module, query) as ask:
         if route:
             out, term, stats = routed_forward(module, inputs, lambda: inputs["attention_mask"].float(), **ask.kwargs)
         else:
             out, term, stats = module(**inputs, **ask.kwargs), None, None
     answer = ask.read(out.logits)  # (b, A + 1): the last position predicts nothing
-    answer = HeadAnswer(logps=answer.logps[:, :-1],
-                        entropy=None if answer.entropy is None else answer.entropy[:, :-1])
+    answer = HeadAnswer(logps=answer.logps[:, :-1], entropy=None if answer.entropy is None else answer.entropy[:, :-1],
+                        loss_sum=answer.loss_sum)
     return (answer, term, stats) if route else answer
+
+
+def flat_actions(x: torch.Tensor) -> torch.Tensor:
+    """(b, A) per-action values -> (b·(A + 1),): the positions action_answer's head sees (the last predicts nothing)."""
+    return torch.cat([x, torch.zeros_like(x[:, :1])], dim=1).flatten()
 
 
 def with_router(loss: torch.Tensor, stats: torch.Tensor, term, router_stats) -> tuple:

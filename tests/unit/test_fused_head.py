@@ -15,12 +15,13 @@ from llmtrain.data.packing import merge_packed
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.fused_head import (
-    ChunkedLossSum,
     ChunkedTokenLogps,
+    ChunkedTokenLoss,
     ChunkSettings,
     HeadQuery,
     asking,
     default_chunk_tokens,
+    negative_log_likelihood,
     shifted_targets,
 )
 from llmtrain.models.load import build_model, load_tokenizer
@@ -83,10 +84,17 @@ def test_chunked_functions_equal_the_full_logits(temperature, softcap, with_bias
                                    retain_graph=True)
     for ours, theirs in zip(torch.autograd.grad((out * upstream).sum(), inputs), expected):
         assert_rel(ours, theirs)
-    total = ChunkedLossSum.apply(hidden, weight, bias, targets, settings, True)
-    assert_rel(total, -logp.sum())
-    expected = torch.autograd.grad(-logp.sum() * 0.3, inputs)
-    for ours, theirs in zip(torch.autograd.grad(total * 0.3, inputs), expected):
+    weights, entropy_weights = torch.randn(2, n, generator=g)  # each token's log p and entropy weighed differently
+
+    def token_loss(rows, logp_, entropy_):
+        return -(logp_ * weights[rows]).sum() + 0.1 * (entropy_ * entropy_weights[rows]).sum()
+
+    packed = ChunkedTokenLoss.apply(hidden, weight, bias, targets, settings, True, token_loss)  # (n, 3)
+    expected_loss = token_loss(slice(0, n), logp, entropy)
+    assert torch.equal(packed[:, 0], logp) and torch.equal(packed[:, 1], entropy)
+    assert_rel(packed[0, 2], expected_loss)
+    expected = torch.autograd.grad(expected_loss * 0.3, inputs)
+    for ours, theirs in zip(torch.autograd.grad(packed[0, 2] * 0.3, inputs), expected):
         assert_rel(ours, theirs)
 
 
@@ -248,10 +256,54 @@ def test_the_forward_keeps_no_logits_for_backward(tokenizer):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with asking(model, HeadQuery(shifted_targets(batch.labels), loss_sum=True)) as ask:
+            with asking(model, HeadQuery(shifted_targets(batch.labels), token_loss=negative_log_likelihood)) as ask:
                 ask.read(model(**batch.model_inputs(), **ask.kwargs).logits)
         largest = max(saved)
         if fused:
             assert largest <= vocab * TINY["hidden_size"]  # the head's weight; no logits, not even a chunk
         else:
             assert largest >= tokens * vocab
+
+
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_the_ppo_policy_loss_in_the_fused_head_equals_the_full_logits(tokenizer, ratio):
+    """GRPO's update loss (clipped surrogate with clip-higher and dual-clip, entropy bonus, k3 KL, seq-mean-token-mean
+    weights), computed per token inside the fused head with its gradient in the forward (token ratios) or from the
+    head's log-probs (GSPO's sequence ratio), against the same loss on the full logits: loss, statistics and every
+    parameter's gradient."""
+    from llmtrain.compose import compose_config
+    from llmtrain.stages.ppo.experience import Experience
+    from llmtrain.stages.registry import build_stage
+
+    cfg = compose_config(["recipe=grpo_tiny", "ppo.entropy_coef=0.01", "ppo.clip_eps_high=0.28",
+                          "ppo.clip_ratio_c=3.0", "ppo.loss_agg=seq_mean_token_mean", f"ppo.ratio={ratio}",
+                          "ppo.epochs=2"])  # two epochs: the old log-probs come from the experience
+    stage = build_stage(cfg, tokenizer, "sdpa")
+    stage.kl_loss_coef = 0.05
+    sequences, attention_mask = rollout(len(tokenizer))
+    g = torch.Generator().manual_seed(5)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    results = []
+    for fused in (True, False):
+        model = tiny(tokenizer, fused)
+        with torch.no_grad():
+            from llmtrain.stages.ppo.rollout import model_inputs
+
+            base = action_answer(model, model_inputs(sequences, attention_mask), sequences, 5, temperature=1.0).logps
+        mb = Experience(sequences=sequences, attention_mask=attention_mask, action_mask=mask,
+                        old_logps=base + 0.2 * torch.randn(3, 5, generator=torch.Generator().manual_seed(6)),
+                        ref_logps=base - 0.1, values=torch.zeros(3, 5), token_rewards=torch.zeros(3, 5),
+                        advantages=torch.randn(3, 5, generator=g) if fused else results[0][3],
+                        returns=torch.zeros(3, 5), scores=torch.zeros(3), kl=torch.zeros(3, 5),
+                        ended=torch.ones(3, dtype=torch.bool))
+        loss, stats = stage._policy_loss(model, mb)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters()},
+                        mb.advantages))
+    (loss_f, stats_f, grads_f, _), (loss_u, stats_u, grads_u, _) = results
+    assert_rel(loss_f, loss_u)
+    assert_rel(stats_f, stats_u)
+    assert stats_f[0] > 0 or ratio == "sequence"  # some tokens clipped (the sequences' mean ratios stay inside)
+    for name in grads_u:
+        assert_rel(grads_f[name], grads_u[name], rel=1e-5)

@@ -28,7 +28,7 @@ from llmtrain.losses.ppo import (
 )
 from llmtrain.parallel import all_reduce_max
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
-from llmtrain.stages.head import action_answer, routed_update, with_router
+from llmtrain.stages.head import action_answer, flat_actions, routed_update, with_router
 from llmtrain.stages.ppo.experience import (
     Experience,
     ExperienceSettings,
@@ -223,32 +223,62 @@ class PPOStage(Stage):
         return metrics
 
     def _policy_loss(self, module, mb: Experience, first_dev: list | None = None):
-        u = self.update
-        answer, router_term, router_stats = action_answer(module, model_inputs(mb.sequences, mb.attention_mask),
-                                                          mb.sequences, mb.num_actions, u.temperature, entropy=True,
-                                                          route=True)  # MoE: + coef × the routers' aux loss
-        logps = answer.logps  # (b, A)
-        mask = mb.action_mask
-        old = logps.detach() if self.experience.old_logps_from_update else mb.old_logps
-        terms = policy_loss_terms(logps, old, mb.advantages, mask, u.clip_eps, clip_eps_high=u.clip_eps_high,
-                                  clip_ratio_c=u.clip_ratio_c, ratio_level=u.ratio_level)
+        on_policy = self.experience.old_logps_from_update
         weights, _ = self._aggregation(mb)  # (b, A): 1, or per-sequence shares (ppo.loss_agg)
-        loss = (terms.losses * weights).sum()
-        entropy = (answer.entropy if u.entropy_coef > 0 else answer.entropy.detach()) * mask  # (b, A)
-        if u.entropy_coef > 0:
-            loss = loss - u.entropy_coef * (entropy * weights).sum()
-        kl_loss = KL_ESTIMATORS[u.kl_estimator](logps, mb.ref_logps) * mask if self.has_reference \
-            else torch.zeros_like(logps)
-        if self.kl_loss_coef > 0:
-            loss = loss + self.kl_loss_coef * (kl_loss * weights).sum()
+        # token-level ratios: the loss is a sum of per-token terms, computed with its gradient inside the fused head;
+        # GSPO's sequence ratio needs whole sequences, so its loss is taken from the head's log-probs
+        token_loss = self._token_loss(mb, weights) if self.update.ratio_level == "token" else None
+        answer, router_term, router_stats = action_answer(module, model_inputs(mb.sequences, mb.attention_mask),
+                                                          mb.sequences, mb.num_actions, self.update.temperature,
+                                                          entropy=True, route=True,  # MoE: + coef × routers' aux
+                                                          token_loss=token_loss)
+        logps = answer.logps  # (b, A)
+        old = logps.detach() if on_policy else mb.old_logps
+        if token_loss is None:
+            loss, terms, entropy, kl = self._loss_terms(logps, answer.entropy, old, mb.advantages, mb.action_mask,
+                                                        mb.ref_logps, weights)
+        else:
+            loss = answer.loss_sum
+            with torch.no_grad():  # the statistics, from the same terms (logps are values here)
+                _, terms, entropy, kl = self._loss_terms(logps, answer.entropy, old, mb.advantages, mb.action_mask,
+                                                         mb.ref_logps, weights)
+        mask = mb.action_mask
         if first_dev is not None:
             # against the old log-probs the ratio uses: on-policy (old_logps_from_update) the experience never
             # filled mb.old_logps (zeros), and the ratio is 1 by construction
             deviation = ((logps.detach() - old).abs() * mask).max().item() if mask.any() else 0.0
             first_dev[0] = max(first_dev[0], deviation)
         stats = torch.stack([terms.clipped.float().sum(), terms.approx_kl.sum(), entropy.detach().sum(),
-                             kl_loss.detach().sum(), mask.sum().float()])
+                             kl.detach().sum(), mask.sum().float()])
         return with_router(loss, stats, router_term, router_stats)
+
+    def _loss_terms(self, logp, entropy, old, advantages, mask, ref, weights):
+        """The policy loss (0-d, weighted by ppo.loss_agg) and its parts: (loss, PolicyTerms, entropy on the mask,
+        KL estimate on the mask), for (b, A) tensors or any run of flattened tokens (token-level ratios)."""
+        u = self.update
+        terms = policy_loss_terms(logp, old, advantages, mask, u.clip_eps, clip_eps_high=u.clip_eps_high,
+                                  clip_ratio_c=u.clip_ratio_c, ratio_level=u.ratio_level)
+        loss = (terms.losses * weights).sum()
+        entropy = entropy * mask
+        if u.entropy_coef > 0:
+            loss = loss - u.entropy_coef * (entropy * weights).sum()
+        kl = KL_ESTIMATORS[u.kl_estimator](logp, ref) * mask if self.has_reference else torch.zeros_like(logp)
+        if self.kl_loss_coef > 0:
+            loss = loss + self.kl_loss_coef * (kl * weights).sum()
+        return loss, terms, entropy, kl
+
+    def _token_loss(self, mb: Experience, weights: torch.Tensor):
+        """The policy loss as a models/fused_head.TokenLoss over the head's b·(A + 1) positions."""
+        on_policy = self.experience.old_logps_from_update
+        old = None if on_policy else flat_actions(mb.old_logps)
+        advantages, mask, ref = flat_actions(mb.advantages), flat_actions(mb.action_mask), flat_actions(mb.ref_logps)
+        shares = flat_actions(weights)
+
+        def token_loss(rows: slice, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            previous = logp.detach() if old is None else old[rows]
+            return self._loss_terms(logp, entropy, previous, advantages[rows], mask[rows], ref[rows], shares[rows])[0]
+
+        return token_loss
 
     def _aggregation(self, mb: Experience) -> tuple[torch.Tensor, int]:
         return aggregation_weights(mb.action_mask, self.update.loss_agg, self.update.max_new_tokens)
