@@ -62,6 +62,15 @@ def test_reward_function_means_are_global(runs):
         assert r["score_fn_score"] == pytest.approx(r["score"], rel=1e-6), r
 
 
+def test_the_fused_grpo_loss_equals_full_logits_under_zero3(runs, assert_close_series):
+    """GRPO's update loss computed per token inside the fused head (gradient in the forward, ZeRO-3's gathered head
+    weight) against model.fused_loss=off on the same backend: the same rollouts, losses and grad norms."""
+    fused = read_metrics(runs.get("grpo", "zero3"))[0]
+    full = read_metrics(runs.get("grpo", "zero3", "model.fused_loss=off", tag="_full_logits"))[0]
+    for key in COMPARED:
+        assert_close_series(fused, full, key, 1e-5, 1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
 def test_ppo_update_parity_with_ddp(runs, backend, assert_close_series):
     """Same prompts, same seeds: the rollouts, scores, KL and the actor's and critic's updates agree with DDP."""
