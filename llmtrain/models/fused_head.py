@@ -152,6 +152,23 @@ def chunks(n: int, size: int):
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 
+def gradient_buffers(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(grad hidden (N, h), grad weight (V, h) fp32, grad bias (V,) fp32 or None): the weight's and bias's gradients
+    are summed over chunks in fp32 and take the parameter's dtype at the end."""
+    return (torch.empty_like(hidden), torch.zeros(weight.shape, dtype=torch.float32, device=weight.device),
+            None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device))
+
+
+def write_values(out: torch.Tensor, rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None,
+                 correct: torch.Tensor | None) -> None:
+    """A chunk's per-token values into the (N, 3) output: log p, entropy, argmax hits (0 where not asked)."""
+    out[rows, 0] = logp
+    if entropy is not None:
+        out[rows, 1] = entropy
+    if correct is not None:
+        out[rows, 2] = correct.float()
+
+
 class ChunkedTokenLogps(torch.autograd.Function):
     """hidden (N, h), weight (V, h), bias (V,) | None, targets (N,) -> (N, 3) fp32: log p(target), entropy, hits.
     Backward recomputes each chunk's logits."""
@@ -162,11 +179,7 @@ class ChunkedTokenLogps(torch.autograd.Function):
         for rows in chunks(hidden.shape[0], s.chunk_tokens):
             z = chunk_logits(hidden[rows], weight, bias, s)
             logp, _, entropy, correct = chunk_values(z, targets[rows], s)
-            out[rows, 0] = logp
-            if entropy is not None:
-                out[rows, 1] = entropy
-            if correct is not None:
-                out[rows, 2] = correct.float()
+            write_values(out, rows, logp, entropy, correct)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.settings, ctx.autocast = s, autocast_state(hidden.device.type)
         return out
@@ -175,9 +188,7 @@ class ChunkedTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, bias, targets = ctx.saved_tensors
         s = ctx.settings
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        grad_hidden, grad_weight, grad_bias = gradient_buffers(hidden, weight, bias)
         with restored_autocast(hidden.device.type, ctx.autocast):
             for rows in chunks(hidden.shape[0], s.chunk_tokens):
                 z = chunk_logits(hidden[rows], weight, bias, s)
@@ -200,17 +211,11 @@ class ChunkedTokenLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, s: ChunkSettings, needs_grad: bool, token_loss: TokenLoss):
         out = torch.zeros(hidden.shape[0], 3, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # the weight's and bias's gradients stay fp32 until the backward's scaling, then take the parameter's dtype
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if needs_grad and bias is not None else None
+        grad_hidden, grad_weight, grad_bias = gradient_buffers(hidden, weight, bias) if needs_grad else (None,) * 3
         for rows in chunks(hidden.shape[0], s.chunk_tokens):
             z = chunk_logits(hidden[rows], weight, bias, s)
             logp, log_probs, entropy, _ = chunk_values(z, targets[rows], s)
-            out[rows, 0] = logp
-            if entropy is not None:
-                out[rows, 1] = entropy
+            write_values(out, rows, logp, entropy, None)
             leaves = [logp.requires_grad_(needs_grad), None if entropy is None else entropy.requires_grad_(needs_grad)]
             with torch.enable_grad():
                 loss = token_loss(rows, *leaves)
