@@ -245,3 +245,31 @@ def test_packed_rows_that_would_lose_a_sliding_window_are_refused():
     assert packed_window_problems("flex_segments", [mistral], 64) and packed_window_problems("sdpa", [mistral], 64)
     assert packed_window_problems("sdpa_segments", [gemma2, mistral], 64) == []
     assert packed_window_problems("eager", [gemma2], max_seq_len=8) == []
+
+
+def test_an_moe_critic_adds_its_router_loss():
+    """PPO's critic on an MoE model (a sequence classifier: its output drops the router logits, taken from the
+    backbone): the value loss comes with coef × the routers' aux loss and (aux, busiest expert's load)."""
+    from llmtrain.compose import compose_config
+    from llmtrain.models.load import build_model
+    from llmtrain.stages.ppo.experience import Experience
+    from llmtrain.stages.registry import build_stage
+
+    tokenizer = load_tokenizer(str(TOKENIZER_DIR), False)
+    stage = build_stage(compose_config(["recipe=ppo_tiny"]), tokenizer, "sdpa")
+    fields = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2,
+              "router_aux_loss_coef": 0.5}
+    critic = build_model(name_or_path=None, from_config=fields, config_path=None, tokenizer=tokenizer,
+                         attn_implementation="sdpa", dropout=0.0, activation_checkpointing=False,
+                         trust_remote_code=False, head="scalar", seed=0)
+    sequences = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    zeros = torch.zeros(2, 4)
+    mb = Experience(sequences, torch.ones_like(sequences), torch.ones(2, 4, dtype=torch.bool), zeros, zeros, zeros,
+                    zeros, zeros, torch.ones(2, 4), torch.zeros(2), zeros, torch.ones(2, dtype=torch.bool))
+    loss, stats, term = stage._value_loss(critic, mb, model=critic)
+    assert 1.5 < stats[1] < 4 and 1 <= stats[2] <= 4
+    assert term.item() == pytest.approx(0.5 * stats[1].item(), rel=1e-6)
+    term.backward()
+    gates = [p.grad for n, p in critic.named_parameters() if "gate.weight" in n]
+    assert gates and all(g is not None and g.abs().sum() > 0 for g in gates)

@@ -26,6 +26,7 @@ from llmtrain.losses.ppo import (
     value_clipped,
     value_loss_terms,
 )
+from llmtrain.models.moe import captured_router_logits, router_of, router_terms
 from llmtrain.parallel import all_reduce_max
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.head import action_answer, flat_actions, routed_update, with_router
@@ -201,8 +202,11 @@ class PPOStage(Stage):
                 for name, value in zip(POLICY_STATS, last.sums):
                     sums[name] += value
                 if critic is not None:
-                    result = updater.update(critic, micro, partial(self._value_loss, model=critic.model), tokens,
-                                            num_stats=len(VALUE_STATS))
+                    value_loss = partial(self._value_loss, model=critic.model)
+                    result, routed = routed_update(updater, critic, micro, value_loss, tokens, len(VALUE_STATS))
+                    for name, value in routed.items():  # an MoE critic's routers, logged apart from the actor's
+                        key = f"critic_{name}"
+                        router_sums[key] = router_sums.get(key, 0.0) + value / (len(layouts) * len(layout))
                     sums["value_loss"] += result.loss * result.count
                     sums["value_clipped"] += result.sums[0]
         tokens = max(sums["tokens"], 1)  # the global action tokens of every update, from the statistics
@@ -284,11 +288,20 @@ class PPOStage(Stage):
         return aggregation_weights(mb.action_mask, self.update.loss_agg, self.update.max_new_tokens)
 
     def _value_loss(self, module, mb: Experience, model: torch.nn.Module):
+        """The critic's clipped value loss; an MoE critic adds its routers' aux loss (its sequence classifier drops
+        the router logits: they are taken from its backbone, as the reward model's)."""
         u = self.update
-        values = values_of(module, model, mb)  # (b, A): the engine's model holds the score layer
+        router = router_of(module)
+        term = router_stats = None
+        if router is None:
+            values = values_of(module, model, mb)  # (b, A): the engine's model holds the score layer
+        else:
+            with captured_router_logits(model) as router_logits:
+                values = values_of(partial(module, output_router_logits=True), model, mb)
+            term, router_stats = router_terms(router, router_logits[-1], mb.attention_mask.float())
         losses = value_loss_terms(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         clipped = value_clipped(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
-        return u.value_coef * losses.sum(), clipped.float().sum().reshape(1)
+        return with_router(u.value_coef * losses.sum(), clipped.float().sum().reshape(1), term, router_stats)
 
     # ---- eval ------------------------------------------------------------------------------------
     @torch.no_grad()
