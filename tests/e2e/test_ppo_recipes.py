@@ -103,7 +103,8 @@ def test_a_user_reward_function_by_module_and_attribute_gets_the_columns(tmp_pat
     assert [r["score"] for r in train] == pytest.approx(lengths)
 
 
-def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
+def tiny_reward_model(tmp_path: Path) -> Path:
+    """A random tiny reward model directory with exported reward statistics (mean 0.5, std 2)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
@@ -116,6 +117,11 @@ def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
     tokenizer.save_pretrained(reward_dir)
     exported = json.loads((reward_dir / "config.json").read_text())
     (reward_dir / "config.json").write_text(json.dumps({**exported, "reward_mean": 0.5, "reward_std": 2.0}))
+    return reward_dir
+
+
+def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
+    reward_dir = tiny_reward_model(tmp_path)
     out = tmp_path / "run"
     assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=null", f"ppo.reward.model={reward_dir}",
                        "ppo.reward.normalize=true", "ppo.critic.init=reward", f"output_dir={out}"]))
@@ -124,6 +130,18 @@ def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
     engines = out / "checkpoints" / "step_2" / "engines"
     assert sorted(p.name for p in engines.iterdir()) == ["actor", "critic", "reference", "reward"]
     assert json.loads((engines / "reward" / "frozen.json").read_text())["source"] == str(reward_dir)
+
+
+def test_a_reward_model_and_a_reward_function_score_together(tmp_path):
+    """ppo.reward.model beside ppo.reward.function (issue 21): each sample's score is the function's plus
+    model_weight × the model's; each source's global mean is logged (score_fn_score, score_rm)."""
+    out = tmp_path / "run"
+    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, f"ppo.reward.model={tiny_reward_model(tmp_path)}",
+                       "ppo.reward.model_weight=0.5", f"output_dir={out}"]))
+    train, _ = read_metrics(out)
+    assert len(train) == 2 and all(r["score_rm"] != 0 for r in train)
+    for r in train:
+        assert r["score"] == pytest.approx(r["score_fn_score"] + 0.5 * r["score_rm"], rel=1e-5, abs=1e-6)
 
 
 def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(tmp_path):

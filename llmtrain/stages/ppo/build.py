@@ -121,7 +121,8 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                      kl_controller=build_kl_controller(p.kl.coef, p.kl.target, p.kl.horizon),
                      shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
-                     stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation))
+                     stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation),
+                     reward_model_weight=r.model_weight)
     stage.name = cfg.stage.name
     return stage
 

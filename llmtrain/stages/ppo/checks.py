@@ -77,10 +77,12 @@ def _reward_function_problems(r: Any) -> list[str]:
         problems.append(f"set ppo.reward.function (one) or ppo.reward.functions (several), not both; got "
                         f"function={r.function!r}, functions={functions}")
     specs = functions or ([r.function] if r.function is not None else [])
-    if (r.model is None) == (not specs):
-        problems.append("set exactly one of ppo.reward.model (a reward model directory) and ppo.reward.function "
-                        f"(module:attribute; several: ppo.reward.functions=[...]); got model={r.model!r}, "
-                        f"function={r.function!r}")
+    if r.model is None and not specs:
+        problems.append("set ppo.reward.model (a reward model directory), ppo.reward.function (module:attribute; "
+                        "several: ppo.reward.functions=[...]), or both")
+    if r.model is not None and specs and r.normalize:
+        problems.append("ppo.reward.normalize=true normalises a reward model's score alone (its exported mean/std), "
+                        "not a sum with reward functions: set ppo.reward.normalize=false, or drop the functions")
     key = "ppo.reward.functions" if functions else "ppo.reward.function"
     named = "{key}: {spec!r}" if functions else "{key}={spec!r}"
     problems += [f"{named.format(key=key, spec=spec)} must be module:attribute (e.g. my_rewards:score)"

@@ -18,9 +18,10 @@ class PPOCriticConfig(PPORoleConfig):
 
 @dataclass
 class PPORewardConfig:
-    """Exactly one of `model` (a reward model directory: a frozen role) and `function`/`functions`
-    (`module:attribute`)."""
+    """`model` (a reward model directory: a frozen role), `function`/`functions` (`module:attribute`), or both
+    (scores summed: the functions with `weights`, the model with `model_weight`)."""
     model: Optional[str] = None
+    model_weight: float = 1.0  # the reward model's weight when reward functions are set too
     # score(prompts, responses, **columns) -> list[float], or a function written for TRL
     function: Optional[str] = None
     functions: List[str] = field(default_factory=list)  # several, summed with `weights` (TRL's reward_funcs)

@@ -78,11 +78,12 @@ class PPOStage(Stage):
                  eval_sampling: SamplingSettings,
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
                  reward_functions: list[RewardFunction] | None = None, prompts_per_step: int, seed: int,
-                 stop_ids: list[int], attention: str = "sdpa"):
+                 stop_ids: list[int], attention: str = "sdpa", reward_model_weight: float = 1.0):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
         self.kl_controller, self.shaping, self.reward_functions = kl_controller, shaping, reward_functions or []
         self.prompts_per_step, self.seed, self.rollout_attention = prompts_per_step, seed, attention
+        self.reward_model_weight = reward_model_weight  # the reward model's weight beside reward functions
         self.collate = partial(collate_prompts, pad_token_id=tokenizer.pad_token_id)
         self.eos_ids = list(stop_ids)  # every token a reply ends with (models/stop_tokens.py): eos, end of turn
         self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
@@ -103,16 +104,26 @@ class PPOStage(Stage):
 
     # ---- scores ----------------------------------------------------------------------------------
     def raw_scores(self, rollout: Rollout, engines: dict) -> tuple[torch.Tensor, dict]:
-        """(b,) scores, and each reward function's mean over every dp rank as `score_fn_<name>` ({}: a reward model)."""
+        """(b,) scores: the reward functions' weighted sum, plus ppo.reward.model_weight × the reward model's score
+        when both are set; and each source's mean over every dp rank (`score_fn_<name>`, `score_rm` beside
+        functions)."""
+        parts, metrics = [], {}
         if self.reward_functions:
             scores, means = combined_scores(self.reward_functions, self.completions(rollout),
                                             engines["actor"].dp_group)
-            return (torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device),
-                    score_metrics(self.reward_functions, means))
-        rows = rollout.sequences.shape[0]
-        size = self.experience.micro_batch_size
-        return torch.cat([reward_model_scores(engines["reward"], rollout, slice(i, min(i + size, rows)))
-                          for i in range(0, rows, size)]), {}
+            parts.append(torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device))
+            metrics = score_metrics(self.reward_functions, means)
+        if "reward" in engines:
+            rows, size = rollout.sequences.shape[0], self.experience.micro_batch_size
+            model_scores = torch.cat([reward_model_scores(engines["reward"], rollout, slice(i, min(i + size, rows)))
+                                      for i in range(0, rows, size)])  # (b,)
+            if parts:  # beside functions: weighted, and its own mean logged
+                total, count = reduce_sums([model_scores.double().sum(), model_scores.new_tensor(float(rows))],
+                                           engines["actor"])
+                metrics["score_rm"] = total / max(count, 1.0)
+                model_scores = self.reward_model_weight * model_scores
+            parts.append(model_scores)
+        return (parts[0] if len(parts) == 1 else parts[0] + parts[1]), metrics
 
     def completions(self, rollout: Rollout) -> Completions:
         from transformers import TrainerState
