@@ -144,6 +144,16 @@ def test_a_reward_model_and_a_reward_function_score_together(tmp_path):
         assert r["score"] == pytest.approx(r["score_fn_score"] + 0.5 * r["score_rm"], rel=1e-5, abs=1e-6)
 
 
+def test_critic_warmup_trains_the_critic_alone_first(tmp_path):
+    """ppo.critic.warmup_steps=1: iteration 1 updates only the critic, so iteration 2 still samples from the
+    unchanged actor (its KL to the reference is exactly 0), then both learn (issue 21)."""
+    out = tmp_path / "run"
+    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.critic.warmup_steps=1", f"output_dir={out}"]))
+    first, second = read_metrics(out)[0]
+    assert first["actor_frozen"] == 1.0 and "policy_loss" not in first and first["value_loss"] > 0
+    assert second["kl"] == 0.0 and "actor_frozen" not in second and second["first_ratio_dev"] == 0.0
+
+
 def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(tmp_path):
     """peft=lora: the reference is the actor with its adapters disabled (no second copy of the base): at the first
     iteration the KL is exactly 0 and the first ratio exactly 1; only the adapters train."""

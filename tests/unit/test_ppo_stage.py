@@ -144,6 +144,8 @@ def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
     (["ppo.scale_rewards=none"], "ppo.scale_rewards=none scales grpo's advantages"),
     (["ppo.loss_agg=seq_mean"], "ppo.loss_agg='seq_mean' is not one of token_mean"),
     (["ppo.clip_ratio_c=1.0"], "ppo.clip_ratio_c=1.0 must be > 1"),
+    (["stage=grpo", "ppo.advantage=grpo", "ppo.rollout.n_samples_per_prompt=2", "ppo.critic.warmup_steps=2"],
+     "and 0 without a critic"),
     (["ppo.overlong.buffer=64"], "ppo.overlong.buffer=64 must be in [0, ppo.rollout.max_new_tokens"),
     (["ppo.reward.function=null"], "set ppo.reward.model"),
     (["ppo.reward.model=/somewhere", "ppo.reward.normalize=true"], "normalises a reward model's score alone"),

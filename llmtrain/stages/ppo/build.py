@@ -60,7 +60,7 @@ def attention_for_rollouts(attn_implementation: str) -> str:
 def old_logps_from_update(p) -> bool:
     """`ppo` config -> whether the update's own forward gives the old log-probs: one optimizer step per rollout
     and the KL as a loss term (GRPO's usual setting), so the experience skips the actor's forward."""
-    return (not p.kl.in_reward and p.epochs == 1
+    return (not p.kl.in_reward and p.epochs == 1 and p.critic.warmup_steps == 0
             and p.mini_batch_size == p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt)
 
 
@@ -122,7 +122,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                      shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
                      stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation),
-                     reward_model_weight=r.model_weight)
+                     reward_model_weight=r.model_weight, critic_warmup_steps=p.critic.warmup_steps)
     stage.name = cfg.stage.name
     return stage
 

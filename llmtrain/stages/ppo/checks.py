@@ -46,6 +46,9 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
                         "or ppo.reward.normalize=false")
     if r.clip is not None and not r.clip > 0:
         problems.append(f"ppo.reward.clip={r.clip} must be > 0 (or null)")
+    if p.critic.warmup_steps < 0 or (p.critic.warmup_steps > 0 and not needs_critic.get(p.advantage, False)):
+        problems.append(f"ppo.critic.warmup_steps={p.critic.warmup_steps}: iterations that train the critic alone; "
+                        f"must be >= 0, and 0 without a critic (ppo.advantage={p.advantage})")
     if needs_critic.get(p.advantage) and p.critic.init == "reward" and r.model is None:
         problems.append("ppo.critic.init=reward starts the critic from the reward model: set ppo.reward.model, or "
                         "ppo.critic.init=policy")

@@ -14,6 +14,7 @@ class PPORoleConfig:
 @dataclass
 class PPOCriticConfig(PPORoleConfig):
     init: str = "policy"  # policy: the actor's weights with a fresh value head | reward: ppo.reward.model, head kept
+    warmup_steps: int = 0  # the first iterations update only the critic (OpenRLHF's freezing_actor_steps)
 
 
 @dataclass

@@ -78,12 +78,14 @@ class PPOStage(Stage):
                  eval_sampling: SamplingSettings,
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
                  reward_functions: list[RewardFunction] | None = None, prompts_per_step: int, seed: int,
-                 stop_ids: list[int], attention: str = "sdpa", reward_model_weight: float = 1.0):
+                 stop_ids: list[int], attention: str = "sdpa", reward_model_weight: float = 1.0,
+                 critic_warmup_steps: int = 0):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
         self.kl_controller, self.shaping, self.reward_functions = kl_controller, shaping, reward_functions or []
         self.prompts_per_step, self.seed, self.rollout_attention = prompts_per_step, seed, attention
         self.reward_model_weight = reward_model_weight  # the reward model's weight beside reward functions
+        self.critic_warmup_steps = critic_warmup_steps  # iterations that update only the critic
         self.collate = partial(collate_prompts, pad_token_id=tokenizer.pad_token_id)
         self.eos_ids = list(stop_ids)  # every token a reply ends with (models/stop_tokens.py): eos, end of turn
         self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
@@ -195,23 +197,26 @@ class PPOStage(Stage):
     def _update(self, exp: Experience, engines: dict, updater: Updater, layouts: list) -> dict:
         actor = engines["actor"]
         critic = engines.get("critic")
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "count": 0, **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
+        sums = {"policy_loss": 0.0, "value_loss": 0.0, "count": 0, "value_tokens": 0,
+                **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
         first_dev = [0.0]
         last, router_sums = None, {}
+        actor_frozen = self.iteration <= self.critic_warmup_steps  # ppo.critic.warmup_steps: the critic learns first
         for epoch, layout in enumerate(layouts):
             for k, micro_rows in enumerate(layout):
                 micro = [exp.select(rows).trimmed() for rows in micro_rows]
                 tokens = sum(int(mb.action_mask.sum()) for mb in micro)
-                count = sum(self._aggregation(mb)[1] for mb in micro)  # tokens, or sequences (ppo.loss_agg)
-                track = first_dev if epoch == 0 and k == 0 else None
-                last, routed = routed_update(updater, actor, micro, partial(self._policy_loss, first_dev=track), count,
-                                             len(POLICY_STATS))
-                for name, value in routed.items():  # MoE actor: the routers' aux loss, averaged over the updates
-                    router_sums[name] = router_sums.get(name, 0.0) + value / (len(layouts) * len(layout))
-                sums["policy_loss"] += last.loss * last.count
-                sums["count"] += last.count
-                for name, value in zip(POLICY_STATS, last.sums):
-                    sums[name] += value
+                if not actor_frozen:
+                    count = sum(self._aggregation(mb)[1] for mb in micro)  # tokens, or sequences (ppo.loss_agg)
+                    track = first_dev if epoch == 0 and k == 0 else None
+                    last, routed = routed_update(updater, actor, micro, partial(self._policy_loss, first_dev=track),
+                                                 count, len(POLICY_STATS))
+                    for name, value in routed.items():  # MoE actor: the routers' aux loss, averaged over the updates
+                        router_sums[name] = router_sums.get(name, 0.0) + value / (len(layouts) * len(layout))
+                    sums["policy_loss"] += last.loss * last.count
+                    sums["count"] += last.count
+                    for name, value in zip(POLICY_STATS, last.sums):
+                        sums[name] += value
                 if critic is not None:
                     value_loss = partial(self._value_loss, model=critic.model)
                     result, routed = routed_update(updater, critic, micro, value_loss, tokens, len(VALUE_STATS))
@@ -219,7 +224,15 @@ class PPOStage(Stage):
                         key = f"critic_{name}"
                         router_sums[key] = router_sums.get(key, 0.0) + value / (len(layouts) * len(layout))
                     sums["value_loss"] += result.loss * result.count
+                    sums["value_tokens"] += result.count
                     sums["value_clipped"] += result.sums[0]
+        critic_metrics = {} if critic is None else {
+            "value_loss": sums["value_loss"] / max(sums["value_tokens"], 1),
+            "value_clip_frac": sums["value_clipped"] / max(sums["value_tokens"], 1),
+            "explained_var": float(explained_variance(exp.values, exp.returns, exp.action_mask))}
+        if actor_frozen:  # the critic's warm-up: no policy update, its loss and lr stand for the step's
+            return {"loss": critic_metrics["value_loss"], **critic_metrics, "lr": result.lr,
+                    "grad_norm": result.grad_norm, "actor_frozen": 1.0, **router_sums}
         tokens = max(sums["tokens"], 1)  # the global action tokens of every update, from the statistics
         first_ratio_dev = all_reduce_max(torch.tensor([first_dev[0]], dtype=torch.float64), None).item()
         policy_loss = sums["policy_loss"] / max(sums["count"], 1)  # aggregated as ppo.loss_agg says
@@ -232,10 +245,7 @@ class PPOStage(Stage):
         if self.experience.old_logps_from_update:  # the KL to the reference, from the update's forward
             sequences = exp.sequences.shape[0]
             metrics.update(kl=sums["kl_loss"] / sequences, kl_token=sums["kl_loss"] / tokens)
-        if critic is not None:
-            metrics.update(value_loss=sums["value_loss"] / tokens, value_clip_frac=sums["value_clipped"] / tokens,
-                           explained_var=float(explained_variance(exp.values, exp.returns, exp.action_mask)))
-        return metrics
+        return metrics | critic_metrics
 
     def _policy_loss(self, module, mb: Experience, first_dev: list | None = None):
         on_policy = self.experience.old_logps_from_update
