@@ -117,6 +117,11 @@ class Setting:
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
     scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
 
+    @property
+    def fused_head(self) -> bool:
+        """The trained head is an LM head computed in chunks (model.fused_loss), not full logits or a score."""
+        return self.head_chunk is not None and self.logits_vocab != 1
+
 
 @dataclass
 class Row:
@@ -146,7 +151,7 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
 def head_bytes(st: Setting, rows: int, seq: int) -> tuple[float, float]:
     """The LM head and loss of one forward: (what autograd holds to the backward, the peak). Full logits: b·s·V·4
     both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes."""
-    if st.head_chunk is None or st.logits_vocab == 1:
+    if not st.fused_head:
         full = logits_bytes(rows, seq, st.logits_vocab)
         return full, full
     return fused_head_bytes(rows, seq, st.logits_vocab, st.facts.hidden, st.head_chunk, st.head_loss_sum)
@@ -297,7 +302,7 @@ def table(rows: list[Row], gpu: Gpu) -> str:
 def head_line(st: Setting) -> str:
     rows = st.micro * st.rows_per_sample
     full = f"logits b·s·V·4 = {_size(logits_bytes(rows, st.seq, st.logits_vocab))} GiB"
-    if st.head_chunk is None or st.logits_vocab == 1:
+    if not st.fused_head:
         return full
     held = " + (b·s·h + V·h)·4 held gradients" if st.head_loss_sum else ""
     return (f"LM head and loss fused over chunks of {st.head_chunk} tokens: 3·c·V·4{held} = "

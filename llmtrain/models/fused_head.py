@@ -32,9 +32,7 @@ import torch.nn.functional as F
 
 from llmtrain.losses.lm import IGNORE_INDEX
 
-FUSED_LOSS_MODES = ("auto", "chunked", "off")
 SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: logits = c · tanh(logits / c)
-ANSWER_COLUMNS = ("logp", "entropy", "correct")
 
 
 def default_chunk_tokens(vocab: int, hidden: int) -> int:
@@ -195,7 +193,7 @@ class ChunkedTokenLogps(torch.autograd.Function):
                 _, log_probs, entropy, _ = chunk_values(z, targets[rows], s)
                 grad_z = chunk_grad_z(log_probs, targets[rows], grad_out[rows, 0],
                                       grad_out[rows, 1] if s.entropy else None, entropy)
-                accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(z, hidden, weight),
+                accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(hidden, weight),
                                         grad_hidden[rows], grad_weight, grad_bias)
         return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
                 None, None)
@@ -228,7 +226,7 @@ class ChunkedTokenLoss(torch.autograd.Function):
                 grad_z = chunk_grad_z(log_probs, targets[rows], grad_logp.detach(),
                                       None if grad_entropy is None else grad_entropy.detach(),
                                       None if entropy is None else entropy.detach())
-                accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(z, hidden, weight),
+                accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(hidden, weight),
                                         grad_hidden[rows], grad_weight, grad_bias)
         out[0, 2] = total
         # saved (not kept on ctx) so that autograd, and the live cost's saved-tensor meter, see what is held
@@ -257,7 +255,7 @@ def restored_autocast(device_type: str, state: tuple[bool, torch.dtype]):
     return torch.autocast(device_type, dtype=dtype) if enabled else contextlib.nullcontext()
 
 
-def compute_dtype(z_source: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the head's matmul ran in: the autocast dtype when on, else the weight's."""
     device_type = hidden.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype

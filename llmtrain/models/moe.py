@@ -66,8 +66,7 @@ def routed_forward(module: torch.nn.Module, inputs: dict, token_mask, **kwargs) 
     if router is None:
         return module(**inputs, **kwargs), None, None
     out = module(**inputs, output_router_logits=True, **kwargs)
-    aux, busiest = router_losses(router, out.router_logits, token_mask())
-    return out, router.coef * aux, torch.stack([aux.detach(), busiest])
+    return out, *router_terms(router, out.router_logits, token_mask())
 
 
 ROUTER_STATS = ("aux_loss", "expert_load_max")

@@ -8,17 +8,23 @@ import torch
 from llmtrain.data.collate import Batch
 from llmtrain.losses.dpo import sequence_sums
 from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking, shifted_targets
-from llmtrain.models.moe import ROUTER_STATS, routed_forward, router_forward, router_metrics, router_of
+from llmtrain.models.moe import ROUTER_STATS, routed_forward, router_metrics, router_of
+
+
+def asked_forward(module: torch.nn.Module, inputs: dict, token_mask, query: HeadQuery, route: bool):
+    """One forward of the wrapped module with `query` open on its head -> (answer, MoE term or None, MoE statistics
+    or None). route: ask an MoE model for its routers' aux loss (token_mask() -> (B, T) 1 on real tokens)."""
+    with asking(module, query) as ask:
+        if route:
+            out, term, stats = routed_forward(module, inputs, token_mask, **ask.kwargs)
+        else:
+            out, term, stats = module(**inputs, **ask.kwargs), None, None
+    return ask.read(out.logits), term, stats
 
 
 def lm_forward(module: torch.nn.Module, batch: Batch, query: HeadQuery, route: bool = False):
     """-> (answer, MoE term or None, MoE statistics or None). route: ask an MoE model for its routers' aux loss."""
-    with asking(module, query) as ask:
-        if route:
-            out, term, stats = router_forward(module, batch, **ask.kwargs)
-        else:
-            out, term, stats = module(**batch.model_inputs(), **ask.kwargs), None, None
-    return ask.read(out.logits), term, stats
+    return asked_forward(module, batch.model_inputs(), batch.token_mask, query, route)
 
 
 def target_logps(module: torch.nn.Module, batch: Batch, route: bool = False, accuracy: bool = False):
@@ -43,12 +49,8 @@ def action_answer(module: torch.nn.Module, inputs: dict, sequences: torch.Tensor
         raise ValueError(f"num_actions={num_actions} must be in [1, T) for T={sequences.size(1)} positions")
     query = HeadQuery(action_targets(sequences, num_actions), temperature=temperature, entropy=entropy,
                       token_loss=token_loss)
-    with asking(module, query) as ask:
-        if route:
-            out, term, stats = routed_forward(module, inputs, lambda: inputs["attention_mask"].float(), **ask.kwargs)
-        else:
-            out, term, stats = module(**inputs, **ask.kwargs), None, None
-    answer = ask.read(out.logits)  # (b, A + 1): the last position predicts nothing
+    answer, term, stats = asked_forward(module, inputs, lambda: inputs["attention_mask"].float(), query, route)
+    # (b, A + 1): the last position predicts nothing
     answer = HeadAnswer(logps=answer.logps[:, :-1], entropy=None if answer.entropy is None else answer.entropy[:, :-1],
                         loss_sum=answer.loss_sum)
     return (answer, term, stats) if route else answer

@@ -70,6 +70,12 @@ class UpdateSettings:
     max_new_tokens: int = 1  # seq_mean_token_sum_norm's constant
 
 
+def add_share(sums: dict, metrics: dict, prefix: str, updates: int) -> None:
+    """Average per-update metrics (an MoE role's router aux loss) over the iteration's `updates`, keys prefixed."""
+    for name, value in metrics.items():
+        sums[prefix + name] = sums.get(prefix + name, 0.0) + value / updates
+
+
 class PPOStage(Stage):
     name = "ppo"
     count_name = "samples"
@@ -211,8 +217,7 @@ class PPOStage(Stage):
                     track = first_dev if epoch == 0 and k == 0 else None
                     last, routed = routed_update(updater, actor, micro, partial(self._policy_loss, first_dev=track),
                                                  count, len(POLICY_STATS))
-                    for name, value in routed.items():  # MoE actor: the routers' aux loss, averaged over the updates
-                        router_sums[name] = router_sums.get(name, 0.0) + value / (len(layouts) * len(layout))
+                    add_share(router_sums, routed, "", len(layouts) * len(layout))  # an MoE actor's routers
                     sums["policy_loss"] += last.loss * last.count
                     sums["count"] += last.count
                     for name, value in zip(POLICY_STATS, last.sums):
@@ -220,9 +225,7 @@ class PPOStage(Stage):
                 if critic is not None:
                     value_loss = partial(self._value_loss, model=critic.model)
                     result, routed = routed_update(updater, critic, micro, value_loss, tokens, len(VALUE_STATS))
-                    for name, value in routed.items():  # an MoE critic's routers, logged apart from the actor's
-                        key = f"critic_{name}"
-                        router_sums[key] = router_sums.get(key, 0.0) + value / (len(layouts) * len(layout))
+                    add_share(router_sums, routed, "critic_", len(layouts) * len(layout))  # logged apart
                     sums["value_loss"] += result.loss * result.count
                     sums["value_tokens"] += result.count
                     sums["value_clipped"] += result.sums[0]
