@@ -19,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 # the config fields that name the expert count, by family (Mixtral's, then Qwen-MoE's and most others')
-_EXPERT_FIELDS = ("num_local_experts", "num_experts")
+EXPERT_FIELDS = ("num_local_experts", "num_experts")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def router_of(module: torch.nn.Module) -> Router | None:
         module = module.module  # DDP, DeepSpeed (whose own `config` is its json); peft forwards `config`
     config = getattr(module, "config", None)
     coef = getattr(config, "router_aux_loss_coef", None)
-    experts = next((getattr(config, f) for f in _EXPERT_FIELDS if getattr(config, f, None)), None)
+    experts = next((getattr(config, f) for f in EXPERT_FIELDS if getattr(config, f, None)), None)
     if coef is None or experts is None or not getattr(config, "num_experts_per_tok", None):
         return None
     return Router(int(experts), int(config.num_experts_per_tok), float(coef))

@@ -20,20 +20,41 @@ across the tp group (FSDP still shards them over dp), so every tp rank computes 
 (B, T, V) and the same loss; no loss-parallel. That costs V·h of memory per tp rank and duplicated
 LM-head FLOPs, which is the price of using transformers' plans unchanged.
 
+The other styles transformers' plans name, mapped here (each with a 2-rank parity row in
+tests/dist/test_families.py):
+- "replicated_with_grad_allreduce" (Qwen3's and Gemma-3's per-head q_norm/k_norm, between a colwise and a
+  rowwise projection): the weight a Replicate DTensor, the input this rank's heads as Shard(heads); the weight's
+  gradient comes out Partial (each rank saw its own heads) and FSDP2 reduces it to Replicate over tp.
+- "colwise_gather_output" / "rowwise_split_input" (Phi-3's fused qkv_proj and gate_up_proj, whose outputs
+  interleave q, k, v or gate, up): column-sharded weights whose output is all-gathered, so attention and the
+  activation run on whole tensors (every tp rank computes them: the weights are split, the attention FLOPs are
+  not), then a row-sharded projection that splits its replicated input locally.
+- "moe_tp_experts" (Mixtral's, Qwen3-MoE's experts module; its "packed_colwise"/"rowwise" parameter entries
+  are subsumed): the experts are split over the tp ranks along the expert dim (E/tp whole experts each, as
+  transformers' expert parallelism over a shared batch does); each rank runs its experts on the tokens routed to
+  them and the partial outputs are summed (one all-reduce forward; one on the input's and the routing weights'
+  gradients backward).
+
 Families transformers ships no plan for (GPT-2: fused c_attn, Conv1D) are refused before the model
 loads; add a plan to EXTRA_TP_PLANS (keyed by model_type) only together with a parity test.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from fnmatch import fnmatch
 from functools import partial
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 EXTRA_TP_PLANS: dict[str, dict[str, str]] = {}  # model_type -> {module path pattern: style}
-SUPPORTED_STYLES = ("colwise", "rowwise")
+SUPPORTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output",
+                    "rowwise_split_input", "moe_tp_experts")
+EXPERTS_STYLE = "moe_tp_experts"
 WORKING_BACKENDS = "backend=fsdp2 (backend.tp=1), backend=ddp or backend=deepspeed"
 
 
@@ -51,26 +72,51 @@ def tp_plan_problems(arch: Any, tp: int) -> list[str]:
         return [f"backend.tp={tp}: model_type {arch.model_type!r} ({type(arch).__name__}) has no "
                 f"tensor-parallel plan (transformers' base_model_tp_plan is empty), so its weights cannot "
                 f"be sharded correctly; use {WORKING_BACKENDS}"]
-    unknown = sorted({style for style in plan.values() if style not in SUPPORTED_STYLES})
+    unknown = sorted({style for style in module_plan(plan).values() if style not in SUPPORTED_STYLES})
     if unknown:
         return [f"backend.tp={tp}: model_type {arch.model_type!r}'s tensor-parallel plan uses style(s) "
                 f"{', '.join(unknown)}, which llmtrain does not map (only {', '.join(SUPPORTED_STYLES)}); "
                 f"use {WORKING_BACKENDS}"]
+    experts = expert_count(arch)
+    if EXPERTS_STYLE in plan.values() and experts and experts % tp:
+        return [f"backend.tp={tp} must divide the model's {experts} experts ({arch.model_type}: each tp rank holds "
+                f"experts/tp whole experts); pick a tp that divides {experts}, or {WORKING_BACKENDS}"]
     return []
 
 
-def parallel_styles(plan: dict[str, str]) -> dict:
+def expert_count(arch: Any) -> int | None:
+    from llmtrain.models.moe import EXPERT_FIELDS
+
+    return next((getattr(arch, field) for field in EXPERT_FIELDS if getattr(arch, field, None)), None)
+
+
+def module_plan(plan: dict[str, str]) -> dict[str, str]:
+    """The plan's module entries: the parameter entries under an experts module (its packed gate_up_proj and
+    down_proj) are the experts style's to shard."""
+    experts = [path for path, style in plan.items() if style == EXPERTS_STYLE]
+    return {path: style for path, style in plan.items()
+            if not any(path.startswith(parent + ".") for parent in experts)}
+
+
+def parallel_styles(plan: dict[str, str], tp_mesh) -> dict:
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from llmtrain.models.tp_styles import ExpertsOverTP, HeadShardedNorm
 
     # use_local_output (default): activations between the Linear layers stay plain local tensors, so
     # attention, rotary embeddings and the MLP activation run unchanged on the local heads/columns.
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {path: styles[style]() for path, style in plan.items()}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": partial(ColwiseParallel, output_layouts=Replicate()),
+              "rowwise_split_input": partial(RowwiseParallel, input_layouts=Replicate()),
+              "replicated_with_grad_allreduce": HeadShardedNorm, EXPERTS_STYLE: ExpertsOverTP}
+    return {path: styles[style]() for path, style in module_plan(plan).items()}
 
 
-def colwise_parents(plan: dict[str, str]) -> list[str]:
-    """The sub-blocks whose input the colwise projections read: `layers.*.self_attn`, `layers.*.mlp`."""
-    return sorted({path.rsplit(".", 1)[0] for path, style in plan.items() if style == "colwise"})
+def colwise_parents(plan: dict[str, str]) -> dict[str, str]:
+    """The sub-blocks whose input the colwise projections read, with one such projection's name:
+    {`layers.*.self_attn`: "q_proj", `layers.*.mlp`: "gate_proj"}."""
+    return {path.rsplit(".", 1)[0]: path.rsplit(".", 1)[1] for path, style in plan.items() if style == "colwise"}
 
 
 def _replicate_input(tp_mesh, module, args, kwargs):
@@ -87,12 +133,17 @@ def _replicate_input(tp_mesh, module, args, kwargs):
 
 
 def apply_tp_plan(model: torch.nn.Module, tp_mesh, arch: Any) -> None:
-    """Shard the base model's Linear layers over `tp_mesh` in place (paths are relative to base_model)."""
+    """Shard the base model's layers over `tp_mesh` in place (paths are relative to base_model)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = tp_plan(arch)
-    parallelize_module(model.base_model, tp_mesh, parallel_styles(plan))
-    blocks = colwise_parents(plan)
+    applied = Counter(style for name, _ in model.base_model.named_modules()
+                      for pattern, style in module_plan(plan).items() if fnmatch(name, pattern))
+    parallelize_module(model.base_model, tp_mesh, parallel_styles(plan, tp_mesh))
+    parents = colwise_parents(plan)
     for name, module in model.base_model.named_modules():
-        if any(fnmatch(name, pattern) for pattern in blocks):
+        # an MoE layer's `mlp` (router + experts) holds no gate_proj: its experts style replicates its own input
+        if any(fnmatch(name, pattern) and hasattr(module, child) for pattern, child in parents.items()):
             module.register_forward_pre_hook(partial(_replicate_input, tp_mesh), with_kwargs=True)
+    log.info("tp=%d %s: %s", tp_mesh.size(), arch.model_type,
+             ", ".join(f"{style} × {count}" for style, count in sorted(applied.items())))

@@ -136,21 +136,27 @@ FAMILIES = {
 GPT2_SIZES = {"n_embd": 64, "n_inner": 128, "n_layer": 2, "n_head": 4, "n_positions": 512}
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 PARITY_FAMILIES = ("gemma2", "qwen3", *MOE_FAMILIES)  # eager attention, qk-norm, the router aux loss
+# every family with a TP plan whose styles go beyond Llama's colwise/rowwise (qk-norm: qwen3, gemma3_text, qwen3_moe;
+# gathered fused projections: phi3; experts: the MoE two) or whose attention differs (gemma2 eager, mistral window)
+TP_FAMILIES = ("qwen3", "gemma3_text", "phi3", "gemma2", "mistral", *MOE_FAMILIES)
 
 
 def pytest_generate_tests(metafunc):
     """A test that takes `family` runs once per FAMILIES entry, one that takes `parity_family` once per
-    PARITY_FAMILIES entry (tests import no conftest: the lists live here, once)."""
+    PARITY_FAMILIES entry, one that takes `tp_family` once per TP_FAMILIES entry (tests import no conftest: the
+    lists live here, once)."""
     if "family" in metafunc.fixturenames:
         metafunc.parametrize("family", list(FAMILIES))
     if "parity_family" in metafunc.fixturenames:
         metafunc.parametrize("parity_family", PARITY_FAMILIES)
+    if "tp_family" in metafunc.fixturenames:
+        metafunc.parametrize("tp_family", TP_FAMILIES)
 
 
 @pytest.fixture(scope="session")
 def families():
-    """{"all": every FAMILIES model_type, "moe": MOE_FAMILIES, "parity": PARITY_FAMILIES}."""
-    return {"all": list(FAMILIES), "moe": MOE_FAMILIES, "parity": PARITY_FAMILIES}
+    """{"all": every FAMILIES model_type, "moe": MOE_FAMILIES, "parity": PARITY_FAMILIES, "tp": TP_FAMILIES}."""
+    return {"all": list(FAMILIES), "moe": MOE_FAMILIES, "parity": PARITY_FAMILIES, "tp": TP_FAMILIES}
 
 
 def _literal(value) -> str:

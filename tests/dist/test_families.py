@@ -3,7 +3,8 @@ Mistral, Gemma-2, Gemma-3 text, Phi-3, GPT-2, Mixtral, Qwen3-MoE) × {SFT on pac
 one process per family running its three stages (tests/dist/workers/family_runs.py), two families at a time.
 Then Gemma-2 (eager attention), Qwen3 and the two MoE families (router aux loss) train the same 3 SFT steps on
 ZeRO-3 and FSDP2 as on DDP, 2 ranks, fp32: loss, grad norm and aux loss within 1e-5 relative; one torchrun launch
-per backend runs the four families.
+per backend runs the four families. Tensor parallelism (2 ranks: dp 1 × tp 2) trains the families whose TP plans
+use more than Llama's styles (tests/dist/conftest.py TP_FAMILIES) as one process does on the same micro-batches.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ PARITY = ["recipe=sft_tiny", "data.packing=true", "trainer.max_steps=3", "traine
           "trainer.grad_accum_steps=2", "trainer.eval_every_n_steps=0", "data.eval_files=[]",
           "trainer.save_every_n_steps=0", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2"]
 BACKENDS = {"ddp": [], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
+# dp 1 × tp 2 reads the micro-batches one process reads (micro 4 × accumulation 2): the MoE aux loss, a mean over
+# micro-batches of a non-linear function of each, is then compared on the same ones
+TP_LAYOUTS = {"dp1": (1, ["trainer.micro_batch_size=4"]),
+              "tp2": (2, ["trainer.micro_batch_size=4", "backend=fsdp2_tp"])}
 
 
 def _launch(root: Path, name: str, runs: list[dict], nproc: int = 1) -> subprocess.Popen:
@@ -67,6 +72,17 @@ def parity(tmp_path_factory, family_args, families) -> tuple[Path, dict[str, str
         runs = [{"out": str(root / backend / family), "args": [*PARITY, *family_args(family), *extra]}
                 for family in families["parity"]]
         logs.update(_finish({backend: _launch(root, backend, runs, nproc=2)}))
+    return root, logs
+
+
+@pytest.fixture(scope="module")
+def tp_parity(tmp_path_factory, family_args, families) -> tuple[Path, dict[str, str]]:
+    """One launch per layout (TP_LAYOUTS), each running every TP family's SFT one after the other."""
+    root, logs = tmp_path_factory.mktemp("family_tp"), {}
+    for layout, (nproc, extra) in TP_LAYOUTS.items():
+        runs = [{"out": str(root / layout / family), "args": [*PARITY, *family_args(family), *extra]}
+                for family in families["tp"]]
+        logs.update(_finish({layout: _launch(root, layout, runs, nproc=nproc)}))
     return root, logs
 
 
@@ -119,3 +135,18 @@ def test_parity_with_ddp(parity, parity_family, backend, families, assert_close_
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
     for key in ("loss", "grad_norm", *(("aux_loss",) if family in families["moe"] else ())):
         assert_close_series(ours, reference, key, 1e-5, 1e-5)
+
+
+def test_tensor_parallel_parity(tp_parity, tp_family, families, assert_close_series):
+    """dp 1 × tp 2 with the family's own TP plan (q/k norms with their gradient summed over tp, Phi-3's gathered
+    fused projections, experts split over tp) trains 3 SFT steps as one process does: loss, grad norm and aux
+    loss within 1e-5 relative; the log names the styles applied."""
+    root, logs = tp_parity
+    reference, ours = _records(root / "dp1" / tp_family, logs["dp1"]), _records(root / "tp2" / tp_family, logs["tp2"])
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
+    for key in ("loss", "grad_norm", *(("aux_loss",) if tp_family in families["moe"] else ())):
+        assert_close_series(ours, reference, key, 1e-5, 1e-5)
+    styles = {"qwen3": "replicated_with_grad_allreduce × 4", "gemma3_text": "replicated_with_grad_allreduce × 4",
+              "phi3": "colwise_gather_output × 4", "mixtral": "moe_tp_experts × 2",
+              "qwen3_moe": "moe_tp_experts × 2"}
+    assert f"tp=2 {tp_family}: " in logs["tp2"] and styles.get(tp_family, "rowwise × 4") in logs["tp2"]

@@ -106,3 +106,18 @@ def test_mesh_dims():
     assert ParallelDims.build(1, -1, 2, 8).dp_dim_names == ("dp_shard",)
     assert ParallelDims.build(2, -1, 1, 8).dp_dim_names == ("dp_replicate", "dp_shard")
     assert str(ParallelDims.build(2, -1, 2, 8)) == "world 8 = dp_replicate 2 × dp_shard 2 × tp 2 (data parallel 4)"
+
+
+def test_fsdp2_model_check_on_the_families_tp_styles():
+    """qk-norms, Phi-3's gathered fused projections and MoE experts are mapped; experts must split evenly over tp;
+    a style nobody maps is refused by name."""
+    check = BACKENDS["fsdp2"].model_problems
+    for family, fields in [("qwen3", {}), ("gemma3_text", {}), ("phi3", {}),
+                           ("mixtral", {"num_local_experts": 4}), ("qwen3_moe", {"num_experts": 4})]:
+        assert check(backend(tp=2), 2, arch(family, **fields)) == [], family
+    [experts] = check(backend(tp=2), 2, arch("mixtral", num_local_experts=3))
+    assert "backend.tp=2 must divide the model's 3 experts" in experts and "backend=ddp" in experts
+    odd = arch("llama")
+    odd.base_model_tp_plan = {**odd.base_model_tp_plan, "layers.*.self_attn.o_proj": "rowwise_rep"}
+    [unknown] = check(backend(tp=2), 2, odd)
+    assert "style(s) rowwise_rep, which llmtrain does not map" in unknown

@@ -47,6 +47,24 @@ def test_a_template_without_a_special_end_of_turn_has_none(tokenizer):
     assert end_of_turn_id(plain) is None
 
 
+@pytest.mark.parametrize("template,end_of_turn", [
+    ("gemma3", "<end_of_turn>"), ("gemma", "<end_of_turn>"), ("phi3", "<|end|>"), ("qwen3", "<|im_end|>"),
+    ("qwen2_5", "<|im_end|>"), ("llama3", "<|eot_id|>"), ("deepseekv3", "<｜end▁of▁sentence｜>"),
+    ("gptoss", "<|return|>"), ("glm4moe", None)])  # GLM prints no end of turn: the next role's token ends the reply
+def test_trls_own_templates_give_their_end_of_turn(template, end_of_turn):
+    """TRL's shipped chat templates on the bundled tokenizer, each template's markers added as special tokens."""
+    import importlib.resources
+    import re
+
+    text = (importlib.resources.files("trl") / "chat_templates" / f"{template}.jinja").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    markers = sorted(set(re.findall(r"<[|｜][^<>{}'\" ]{1,40}?[|｜]>|<(?:start|end)_of_turn>", text)))
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    tokenizer.chat_template = text
+    found = end_of_turn_id(tokenizer)
+    assert (found and tokenizer.convert_ids_to_tokens(found)) == end_of_turn
+
+
 @pytest.fixture(scope="module")
 def skewed_checkpoint(tmp_path_factory, tokenizer):
     """A tiny Llama whose generation_config.json carries sampling defaults that change what generate() does."""
