@@ -113,7 +113,8 @@ class Setting:
     mfu: float
     logits_vocab: int  # V, or 1 for a reward model's score
     head_chunk: int | None = None  # the fused LM head's chunk tokens (model.fused_loss); None: full logits
-    head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT): it holds its gradients to backward
+    head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT, RL's token loss): gradients held
+    head_positions: int | None = None  # positions per row through the LM head (RL: the A + 1 response ones); None: all
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
     scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
 
@@ -150,7 +151,9 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
 
 def head_bytes(st: Setting, rows: int, seq: int) -> tuple[float, float]:
     """The LM head and loss of one forward: (what autograd holds to the backward, the peak). Full logits: b·s·V·4
-    both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes."""
+    both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes. RL sends only the response
+    positions to the head (logits_to_keep)."""
+    seq = min(seq, st.head_positions or seq)
     if not st.fused_head:
         full = logits_bytes(rows, seq, st.logits_vocab)
         return full, full
@@ -243,13 +246,15 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
     views = frozenset(role for role, r in roles.items() if lora and r.adapter_off_of)
     scalar_heads = frozenset(role for role, r in roles.items() if r.head == "scalar")
     trainable_scalar = all(r.head == "scalar" for r in roles.values() if r.trainable)
+    rl = spec.rl_shape(cfg) if spec.rl_shape else None
     return Setting(facts=facts, roles={role: r.trainable for role, r in roles.items()}, scalar_heads=scalar_heads,
                    lora=lora, views=views, precision=precision, gpu=gpu, world=world,
                    micro=cfg.trainer.micro_batch_size, accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
                    rows_per_sample=spec.sequences_per_sample, checkpointing=cfg.model.activation_checkpointing,
                    scores=attn == "eager", mfu=cfg.plan.mfu, logits_vocab=1 if trainable_scalar else facts.vocab,
                    rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
-                   head_loss_sum=spec.token_losses)
+                   head_loss_sum=spec.token_losses or bool(rl and rl.token_loss),
+                   head_positions=rl.max_new_tokens + 1 if rl else None)
 
 
 def planned_head_chunk(m, facts: ModelFacts) -> int | None:

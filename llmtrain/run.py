@@ -122,6 +122,8 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(attn, m.dropout, m.activation_checkpointing, fused_head_chunk(m, ctx)), t.seed,
                             optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
+    prepare_batch = batch_preparer(ctx.device, precision, attn)
+    engines = stage.prepare(engines, data, prepare_batch)
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +146,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
             data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=dp_rank,
             dp_size=dp_size, collate_fn=stage.collate),
         checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
-        prepare_batch=batch_preparer(ctx.device, precision, attn),
+        prepare_batch=prepare_batch,
         live=live_cost(ctx, plan.figures, engines, trainable_roles(stage.roles)))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)

@@ -70,7 +70,8 @@ class Trainer:
     def fit(self) -> bool:
         """Train to max_steps (True), or until a stop signal (False): every rank then saves the step they agreed
         on (llmtrain/faults.py) and returns, so the process exits 0 and a restart resumes from that step."""
-        batches = self.train_batches(self.step)
+        batches = self.train_batches(self.stage.data_position(self.step))
+        self.stage.fetch_more = lambda: self.prepare_batch(next(batches))
         if self.step == 0 and self.eval_batches is not None and self.s.eval_every_n_steps > 0:
             with self._guard("evaluating"):
                 self._emit(self.evaluate())

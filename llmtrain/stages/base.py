@@ -73,6 +73,20 @@ class Stage(Protocol):
         """The attention the roles are built with, given the run's resolved one (PPO: left padding needs a mask)."""
         return resolved
 
+    # Set by the trainer: the next batch of this rank's data stream, beyond the step's own fetches (PPO's dynamic
+    # sampling draws more prompts with it, every rank together); data_position then counts what it drew.
+    fetch_more: Callable[[], object] | None = None
+
+    def prepare(self, engines: dict, data, prepare_batch: Callable) -> dict:
+        """Once, after the engines are built and before the first step (a resumed run too): work over the whole data
+        (DPO's precomputed reference log-probs). Returns the engines training keeps (a role it no longer needs
+        dropped). `data`: the stage's train/eval examples; `prepare_batch`: a collated batch -> on the device."""
+        return engines
+
+    def data_position(self, step: int) -> int:
+        """Where the data stream resumes after `step` steps, in steps' worth of fetches (the sampler's index)."""
+        return step
+
     def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
         """(examples per fetch, fetches per step) on each rank (PPO: one fetch of the rank's share of prompts)."""
         return micro_batch_size, grad_accum_steps

@@ -3,18 +3,21 @@
 Roles: "policy" (trainable) and "reference" (frozen, built from the same source: the initial policy; with
 peft=lora the policy itself with its adapters disabled, no second copy of the base).
 The reference's log-probs are computed in the same step from its frozen engine (same precision, no
-dropout), not precomputed. Loss of a step: Σ_pairs ℓ(β·((π_c − ref_c) − (π_r − ref_r))) / pairs in the
-global batch, ℓ from `dpo.loss` (sigmoid, with optional label smoothing = cDPO; ipo on length-averaged
-log-probs, as TRL). At step 0 the policy equals the reference: the loss is ln 2, the rewards are 0.
+dropout), or once before training with dpo.precompute_ref_logps (stages/reference_cache.py). Loss of a
+step: Σ_pairs ℓ(β·((π_c − ref_c) − (π_r − ref_r))) / pairs in the global batch, ℓ from `dpo.loss` (sigmoid,
+with optional label smoothing = cDPO; ipo on length-averaged log-probs, as TRL). At step 0 the policy equals the
+reference: the loss is ln 2, the rewards are 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
+from llmtrain.data.pipeline import eval_batches
 from llmtrain.losses.dpo import (
     AVERAGED_LOGPS,
     DPO_LOSSES,
@@ -35,6 +38,7 @@ from llmtrain.stages.preference import (
     reward_eval_metrics,
     reward_eval_sums,
 )
+from llmtrain.stages.reference_cache import CACHE_FILE, compute_cache, load_cache
 from llmtrain.stages.spec import ImplicitReward
 
 
@@ -45,6 +49,8 @@ class DPOConfig:
     loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | robust | bco_pair | sppo_hard | nca_pair | apo_zero
     # | apo_down (losses/dpo.DPO_LOSSES, TRL's loss types)
     label_smoothing: float = 0.0  # > 0: conservative DPO (cDPO), the labels flipped with this probability
+    # the reference's log-probs computed once before training into <output_dir>/ref_logps.pt, the reference released
+    precompute_ref_logps: bool = False
 
 
 class DPOStage(Stage):
@@ -52,11 +58,37 @@ class DPOStage(Stage):
     count_name = "pairs"
 
     def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float,
-                 padding_free: bool = False):
-        self.roles = dpo_roles(None, source)
-        self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free)
+                 padding_free: bool = False, cache_path: Path | None = None, resumed_run: Path | None = None,
+                 eval_batch_size: int = 1):
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.average = loss in AVERAGED_LOGPS
+        # dpo.precompute_ref_logps: the table's file in this run (None: off); a resumed run finds it there or beside
+        # the run it resumes, and builds no reference
+        self.cache_path, self.eval_batch_size = cache_path, eval_batch_size
+        self.cache_meta = {"reference": repr(source), "averaged": self.average}
+        places = [] if cache_path is None else [cache_path, *([resumed_run / CACHE_FILE] if resumed_run else [])]
+        self.cache = next(filter(None, (load_cache(place, self.cache_meta) for place in places)), None)
+        self.roles = dpo_roles(None, source)
+        if self.cache is not None:
+            del self.roles["reference"]
+        self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free,
+                               keyed=cache_path is not None)
+
+    def prepare(self, engines: dict, data, prepare_batch) -> dict:
+        if self.cache_path is None:
+            return engines
+        if self.cache is not None:  # read beside the run this one resumes: kept in this run's folder too
+            if engines["policy"].ctx.is_main and not self.cache_path.is_file():
+                self.cache.save(self.cache_path)
+            return engines
+        reference = engines["reference"]
+        batches = (prepare_batch(batch) for examples in (data.train, data.eval) if examples is not None
+                   for batch in eval_batches(examples, batch_size=self.eval_batch_size, dp_rank=reference.dp_rank,
+                                             dp_size=reference.dp_size, collate_fn=self.collate)())
+        self.cache = compute_cache(partial(self.reference_logps, reference), batches, self.cache_meta,
+                                   self.cache_path, reference.ctx.is_main)
+        del self.roles["reference"]
+        return {role: engine for role, engine in engines.items() if role != "reference"}
 
     def logps(self, module, batch: PairBatch, route: bool = False):
         """(chosen (P,), rejected (P,)) response log-probs (summed, or averaged for ipo), fp32; with `route` also the
@@ -66,6 +98,9 @@ class DPOStage(Stage):
 
     @torch.no_grad()
     def reference_logps(self, reference, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen (P,), rejected (P,)): the frozen reference's forward, or the precomputed table."""
+        if self.cache is not None:
+            return self.cache.lookup(batch.keys, batch.weight)
         with reference.autocast():
             return self.logps(reference.module, batch)
 
@@ -74,7 +109,7 @@ class DPOStage(Stage):
                               label_smoothing=self.label_smoothing)
 
     def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
-        reference = engines["reference"]
+        reference = engines.get("reference")
 
         def micro_loss(module, batch: PairBatch):
             # The reference first: with LoRA it is the policy's own model (adapters off), so its no-grad forward
@@ -92,7 +127,7 @@ class DPOStage(Stage):
 
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:
-        policy, reference = engines["policy"], engines["reference"]
+        policy, reference = engines["policy"], engines.get("reference")
         policy.module.eval()
         sums = torch.zeros(4, dtype=torch.float64, device=policy.ctx.device)  # loss, correct, margin, pairs
         for batch in batches:
@@ -109,8 +144,19 @@ def dpo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOStage:
     d = cfg.dpo
+    t = cfg.trainer
     return DPOStage(source, tokenizer.pad_token_id, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing,
-                    padding_free=padding_free_for(attn_implementation))
+                    padding_free=padding_free_for(attn_implementation),
+                    cache_path=Path(cfg.output_dir) / CACHE_FILE if d.precompute_ref_logps else None,
+                    resumed_run=resumed_run_dir(cfg.resume), eval_batch_size=t.eval_batch_size or t.micro_batch_size)
+
+
+def resumed_run_dir(resume: str | None) -> Path | None:
+    """The run folder `resume=PATH` names (a run folder or one of its checkpoints/step_N); None for auto or none."""
+    if resume in (None, "auto"):
+        return None
+    path = Path(resume)
+    return path if (path / "checkpoints").is_dir() else path.parent.parent
 
 
 def problems(cfg, dp: int) -> list[str]:

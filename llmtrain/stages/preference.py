@@ -22,6 +22,7 @@ from llmtrain.data.packing import merge_packed
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_ATTENTION
+from llmtrain.stages.reference_cache import pair_key
 from llmtrain.stages.spec import StageSpec
 
 PAIR_DATA_HINT = ("trains on pairs: data.format={format} must be preference (rows with chosen and rejected, and "
@@ -44,6 +45,7 @@ class PairBatch:
     hard: torch.Tensor  # (P,) bool: pairs tagged kind == "hard"
     weight: torch.Tensor  # (P,) float: 1, or 0 for an eval filler pair that only keeps a rank in step
     num_pairs: int  # real pairs (weight 1), counted on the host
+    keys: tuple[str, ...] = ()  # (P,) each pair's reference_cache.pair_key, when the collate was asked for them
 
     @property
     def num_sequences(self) -> int:
@@ -66,8 +68,10 @@ class PairBatch:
         return values[:half], values[half:]
 
 
-def collate_pairs(examples: list[dict], pad_token_id: int, padding_free: bool = False) -> PairBatch:
-    """Preference examples (chosen_/rejected_ input_ids and labels, margin, kind) -> one PairBatch."""
+def collate_pairs(examples: list[dict], pad_token_id: int, padding_free: bool = False,
+                  keyed: bool = False) -> PairBatch:
+    """Preference examples (chosen_/rejected_ input_ids and labels, margin, kind) -> one PairBatch; `keyed`: with
+    each pair's key into DPO's precomputed reference log-probs."""
     sides = [{"input_ids": e[f"{side}_input_ids"],
               "labels": [IGNORE_INDEX] * len(e[f"{side}_labels"]) if e.get(FILLER) else e[f"{side}_labels"]}
              for side in ("chosen", "rejected") for e in examples]
@@ -86,7 +90,7 @@ def collate_pairs(examples: list[dict], pad_token_id: int, padding_free: bool = 
     return PairBatch(rows=rows, ends=ends, sequence_ids=sequence_ids,
                      margin=torch.tensor([float(e.get("margin") or 0.0) for e in examples]),
                      hard=torch.tensor([e.get("kind") == HARD for e in examples]), weight=weight,
-                     num_pairs=int(weight.sum().item()))
+                     num_pairs=int(weight.sum().item()), keys=tuple(pair_key(e) for e in examples) if keyed else ())
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

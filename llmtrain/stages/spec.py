@@ -47,6 +47,7 @@ class RLShape:
     max_new_tokens: int
     prompts_per_step: int
     samples_per_prompt: int
+    token_loss: bool = True  # the policy loss is a sum of per-token terms (fused head: gradients held to backward)
 
 
 @dataclass(frozen=True)

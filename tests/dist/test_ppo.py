@@ -125,6 +125,12 @@ def test_counted_communication_of_an_iteration_matches_the_plan(runs, stage, bac
                                                         f"planned {planned:.0f}")
 
 
+def logged(record: dict) -> dict:
+    """Everything but timings and the memory report (measured once per process)."""
+    return {k: v for k, v in record.items() if not k.endswith("_s") and "memory" not in k
+            and k not in ("samples_per_s", "generation_share")}
+
+
 @pytest.mark.parametrize("stage,backend,lora", [("ppo", "ddp", False), ("ppo", "zero3", False), ("ppo", "fsdp2", False),
                                                ("grpo", "zero2", False), ("ppo", "fsdp2", True)])
 def test_bitwise_resume(runs, stage, backend, lora):
@@ -136,17 +142,39 @@ def test_bitwise_resume(runs, stage, backend, lora):
     resumed = runs.get(stage, backend, *extra, f"resume={straight}/checkpoints/step_2", tag=f"{tag}_resumed")
     reference, continued = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in continued[0]] == [3, 4]
-
-    def logged(record):  # everything but timings and the memory report (measured once per process)
-        return {k: v for k, v in record.items() if not k.endswith("_s") and "memory" not in k
-                and k not in ("samples_per_s", "generation_share")}
-
     assert [logged(r) for r in continued[0]] == [logged(r) for r in reference[0][2:]]
     assert continued[1][-1]["eval_score"] == reference[1][-1]["eval_score"]
     stage_state = json.loads((straight / "checkpoints" / "step_2" / "stage.json").read_text())
     assert stage_state["kl_controller"]["value"] == reference[0][2]["kl_coef"]
     if stage == "ppo":  # adaptive: the coefficient moved
         assert len({r["kl_coef"] for r in reference[0]}) > 1
+
+
+# every odd-length target's group scores 0 throughout (no eos penalty): dynamic sampling drops it and draws again
+FILTERED = ["ppo.filter_groups=true", "ppo.filter_max_rounds=3", "ppo.reward.missing_eos_penalty=null",
+            "ppo.reward.function=tests.dist.workers.rewards:even_targets_only"]
+
+
+def test_dynamic_sampling_refills_from_the_next_prompts_and_resumes_bitwise(runs):
+    """GRPO with ppo.filter_groups on 2 ranks (one prompt each per round): rounds go on until 2 groups vary (3 at
+    most, then the earliest uniform groups top up), every iteration trains on 8 sequences, the prompt batches drawn
+    are counted, and resuming at iteration 2 draws the same next prompts: the same records, bit for bit."""
+    straight = runs.get("grpo", "ddp", *FILTERED, tag="_filter")
+    resumed = runs.get("grpo", "ddp", *FILTERED, f"resume={straight}/checkpoints/step_2", tag="_filter_resumed")
+    reference, continued = read_metrics(straight)[0], read_metrics(resumed)[0]
+    assert [r["samples"] for r in reference] == [8] * 4
+    assert any(r["filter_rounds"] > 1 for r in reference), reference
+    drawn = 0
+    for r in reference:
+        groups = r["filter_varied_groups"] + r["filter_uniform_groups"]
+        assert groups == 2 * r["filter_rounds"] and r["filter_rounds"] <= 3
+        assert r["filter_rounds"] == 3 or r["filter_varied_groups"] >= 2  # stopped early only with enough
+        assert r["filter_topped_up"] == max(0, 2 - r["filter_varied_groups"])
+        drawn += r["filter_rounds"] - 1
+        assert r["filter_prompt_batches"] == drawn
+    stage_state = json.loads((straight / "checkpoints" / "step_2" / "stage.json").read_text())
+    assert stage_state["extra_prompt_batches"] == reference[1]["filter_prompt_batches"]
+    assert [logged(r) for r in continued] == [logged(r) for r in reference[2:]]
 
 
 def test_checkpoints_and_exports_hold_each_role(runs):

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
@@ -108,16 +109,42 @@ def test_bitwise_resume(runs, stage, backend):
     resumed = runs.pair(stage, backend, f"resume={straight}/checkpoints/step_3", tag="_resumed")
     reference, continued = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in continued[0]] == [4, 5, 6]
-    def logged(record):  # everything but timings and the memory report (measured once per process)
-        return {k: v for k, v in record.items() if not k.endswith("_s") and not k.startswith("memory")}
-
-    assert [logged(r) for r in continued[0]] == [logged(r) for r in reference[0][3:]]
+    assert [_logged(r) for r in continued[0]] == [_logged(r) for r in reference[0][3:]]
     assert continued[1][-1]["eval_loss"] == reference[1][-1]["eval_loss"]
     stage_state = json.loads((straight / "checkpoints" / "step_3" / "stage.json").read_text())
     if stage == "rm":  # the last eval's reward statistics: what the export writes into config.json
         assert stage_state["reward_stats"]["reward_std"] > 0
         exported = json.loads((resumed / "hf" / "config.json").read_text())
         assert exported["reward_mean"] == reference[1][-1]["eval_reward_mean"]
+
+
+def test_precomputed_reference_logps_train_as_the_live_reference_and_resume_bitwise(runs, assert_close_series):
+    """dpo.precompute_ref_logps on ZeRO-3 (the reference's sharded forward over every rank's share of the train and
+    eval pairs, once): the same losses, grad norms and evals as the in-step reference (1e-6 relative: the reference
+    saw other batch shapes), the table beside the run, no reference engine in the checkpoints; resumed at step 3 into
+    another folder it reads the table beside the resumed run (no reference built, nothing recomputed), keeps a copy
+    and continues bit for bit."""
+    live = read_metrics(runs.pair("dpo", "zero3"))
+    straight = runs.pair("dpo", "zero3", "dpo.precompute_ref_logps=true", tag="_precomputed")
+    cached = read_metrics(straight)
+    for key in ("loss", "grad_norm", "reward_margin"):
+        assert_close_series(cached[0], live[0], key, 1e-6, 1e-6, atol=1e-7)
+    assert_close_series(cached[1], live[1], "eval_loss", 1e-6, 1e-6)
+    table = torch.load(straight / "ref_logps.pt", weights_only=True)
+    assert table["meta"]["averaged"] is False and len(table["table"]) >= 32  # the 32 eval pairs, and the trained
+    assert sorted(p.name for p in (straight / "checkpoints" / "step_3" / "engines").iterdir()) == ["policy"]
+    log = runs.done["dpo_zero3_precomputed"].stdout + runs.done["dpo_zero3_precomputed"].stderr
+    assert "reference log-probs of" in log and "the reference role is released" in log
+    resumed = runs.pair("dpo", "zero3", "dpo.precompute_ref_logps=true", f"resume={straight}/checkpoints/step_3",
+                        tag="_precomputed_resumed")
+    resumed_log = runs.done["dpo_zero3_precomputed_resumed"].stdout + runs.done["dpo_zero3_precomputed_resumed"].stderr
+    assert "reference log-probs of" not in resumed_log and (resumed / "ref_logps.pt").is_file()  # read, kept
+    continued = read_metrics(resumed)
+    assert [_logged(r) for r in continued[0]] == [_logged(r) for r in cached[0][3:]]
+
+
+def _logged(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.endswith("_s") and not k.startswith("memory")}
 
 
 def test_random_init_is_the_same_on_every_backend_and_world_size(runs):

@@ -309,3 +309,21 @@ def test_a_ppo_iteration_by_hand():
     whats = [c.what for c in rl_communication(grpo, zero3, "fp32", on_policy, **shape)]
     assert "actor experience: weights, forward" not in whats and "reference experience: weights, forward" in whats
     assert whats.count("actor generation: weights") == 1 and "actor update: weights, backward" in whats
+
+
+def test_rl_head_memory_is_the_response_positions_with_the_token_loss_gradients():
+    """GRPO sends only the A + 1 response positions of each row to the fused head, and its token-level loss holds
+    the head's gradients to the backward (as SFT's does); GSPO's sequence ratio recomputes instead."""
+    from llmtrain.metrics.cost import fused_head_bytes
+    from llmtrain.models.facts import model_facts
+    from llmtrain.plan import head_bytes
+    from llmtrain.plan import setting as plan_setting
+
+    for ratio, held in (("token", True), ("sequence", False)):
+        cfg = compose_config(["recipe=grpo_tiny", "model.name_or_path=null", "model.from_config={model_type:llama}",
+                              "model.tokenizer=" + str(REPO / "llmtrain" / "assets" / "tokenizer"),
+                              f"ppo.ratio={ratio}", "ppo.rollout.max_new_tokens=16", "data.max_seq_len=128"])
+        f = model_facts(cfg)
+        st = plan_setting(cfg, 1, resolve_gpu(cfg.plan, "cpu"), "fp32", f)
+        assert st.head_positions == 17 and st.head_loss_sum is held
+        assert head_bytes(st, 4, 128) == fused_head_bytes(4, 17, f.vocab, f.hidden, st.head_chunk, held)

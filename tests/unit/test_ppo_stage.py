@@ -162,6 +162,8 @@ def test_trimming_keeps_actions_aligned_with_the_positions_that_predict_them():
     (["backend=fsdp2_tp"], "backend.tp=2"),
     (["ppo.kl.in_reward=false"], "ppo.kl.estimator=k1 as a loss term"),  # ppo's default estimator: no gradient
     (["ppo.kl.coef=0", "ppo.kl.target=0.1"], "ppo.kl.coef, which is 0 and would stay 0"),
+    (["ppo.filter_groups=true"], "ppo.filter_groups=true drops the groups whose scores all agree: it needs "
+                                 "ppo.rollout.n_samples_per_prompt >= 2"),
 ])
 def test_bad_ppo_configs_name_the_field_and_the_fix(overrides, message):
     cfg = compose_config(["recipe=ppo_tiny", *overrides])

@@ -122,7 +122,8 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                      shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
                      stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation),
-                     reward_model_weight=r.model_weight, critic_warmup_steps=p.critic.warmup_steps)
+                     reward_model_weight=r.model_weight, critic_warmup_steps=p.critic.warmup_steps,
+                     filter_max_rounds=p.filter_max_rounds if p.filter_groups else 0)
     stage.name = cfg.stage.name
     return stage
 
@@ -132,7 +133,7 @@ def rl_shape(cfg) -> RLShape:
     return RLShape(samples=rollout.prompts_per_step * rollout.n_samples_per_prompt, mini_batch=p.mini_batch_size,
                    epochs=p.epochs, micro=cfg.trainer.micro_batch_size, on_policy=old_logps_from_update(p),
                    max_new_tokens=rollout.max_new_tokens, prompts_per_step=rollout.prompts_per_step,
-                   samples_per_prompt=rollout.n_samples_per_prompt)
+                   samples_per_prompt=rollout.n_samples_per_prompt, token_loss=p.ratio == "token")
 
 
 def max_prompt_len(cfg) -> int:

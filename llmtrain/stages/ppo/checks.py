@@ -55,6 +55,10 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if needs_groups.get(p.advantage) and rollout.n_samples_per_prompt < 2:
         problems.append(f"ppo.advantage={p.advantage} compares the samples of a prompt: "
                         f"ppo.rollout.n_samples_per_prompt={rollout.n_samples_per_prompt} must be >= 2")
+    if p.filter_groups and (rollout.n_samples_per_prompt < 2 or p.filter_max_rounds < 1):
+        problems.append(f"ppo.filter_groups=true drops the groups whose scores all agree: it needs "
+                        f"ppo.rollout.n_samples_per_prompt >= 2 (is {rollout.n_samples_per_prompt}) and "
+                        f"ppo.filter_max_rounds >= 1 (is {p.filter_max_rounds})")
     if p.scale_rewards != "group" and p.advantage != "grpo":
         problems.append(f"ppo.scale_rewards={p.scale_rewards} scales grpo's advantages; ppo.advantage={p.advantage} "
                         "has none to scale: leave ppo.scale_rewards=group")

@@ -70,6 +70,10 @@ class PPOConfig:
     kl: PPOKLConfig = field(default_factory=PPOKLConfig)
     overlong: PPOOverlongConfig = field(default_factory=PPOOverlongConfig)
     mask_truncated: bool = False  # a response cut at max_new_tokens trains nothing (TRL's mask_truncated_completions)
+    # DAPO's dynamic sampling: a group whose scores all agree (no advantage) is dropped and the batch refilled with
+    # groups of the next prompts, generating at most `filter_max_rounds` batches of prompts per iteration
+    filter_groups: bool = False
+    filter_max_rounds: int = 3
     advantage: str = "gae"  # gae (critic) | grpo | rloo | reinforce_pp | reinforce_pp_baseline (no critic)
     scale_rewards: str = "group"  # grpo: divide by the group's std | batch: the batch's | none (Dr. GRPO)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm

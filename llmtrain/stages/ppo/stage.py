@@ -27,7 +27,7 @@ from llmtrain.losses.ppo import (
     value_loss_terms,
 )
 from llmtrain.models.moe import captured_router_logits, router_of, router_terms
-from llmtrain.parallel import all_reduce_max
+from llmtrain.parallel import all_gather_rows, all_reduce_max
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.head import action_answer, flat_actions, routed_update, with_router
 from llmtrain.stages.ppo.experience import (
@@ -38,6 +38,7 @@ from llmtrain.stages.ppo.experience import (
     update_layout,
     values_of,
 )
+from llmtrain.stages.ppo.filtering import chosen_groups, concat_experiences, group_rows, varied_groups
 from llmtrain.stages.ppo.rewards import (
     Completions,
     RewardFunction,
@@ -85,7 +86,7 @@ class PPOStage(Stage):
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
                  reward_functions: list[RewardFunction] | None = None, prompts_per_step: int, seed: int,
                  stop_ids: list[int], attention: str = "sdpa", reward_model_weight: float = 1.0,
-                 critic_warmup_steps: int = 0):
+                 critic_warmup_steps: int = 0, filter_max_rounds: int = 0):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
         self.kl_controller, self.shaping, self.reward_functions = kl_controller, shaping, reward_functions or []
@@ -97,6 +98,8 @@ class PPOStage(Stage):
         self.iteration = 0  # set from the trainer's step at each train_step: seeds the rollout and the permutation
         self.has_reference = "reference" in roles  # none when β = 0 (build.uses_reference)
         self.kl_loss_coef = 0.0  # this iteration's β of the KL loss term (the controller's value; 0: KL in reward)
+        self.filter_max_rounds = filter_max_rounds  # ppo.filter_groups: prompt batches per iteration at most; 0: off
+        self.extra_prompt_batches = 0  # drawn by dynamic sampling so far, beyond one per iteration (data position)
 
     # ---- data layout -----------------------------------------------------------------------------
     def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
@@ -105,6 +108,9 @@ class PPOStage(Stage):
 
     def attention(self, resolved: str) -> str:
         return self.rollout_attention
+
+    def data_position(self, step: int) -> int:
+        return step + self.extra_prompt_batches
 
     def optimizer_steps_per_step(self) -> int:
         samples = self.prompts_per_step * self.sampling.n_samples_per_prompt
@@ -146,30 +152,60 @@ class PPOStage(Stage):
         actor = engines["actor"]
         self.iteration = updater.step
         start = time.perf_counter()
-        rollout = generate(actor, micro_batches[0], self.sampling, pad_token_id=self.tokenizer.pad_token_id,
-                           eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank), group=actor.dp_group)
-        rolled = time.perf_counter()
-        raw, function_means = self.raw_scores(rollout, engines)
-        gathered = gather_rollout(rollout, self.shaping.apply(raw, rollout.ended, rollout.action_mask.sum(-1)),
-                                  actor.dp_group)
+        gathered, raw, metrics, times = self._sample(micro_batches[0], engines)
         layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
         self.kl_loss_coef = kl_coef if self.update.kl_in_loss else 0.0
         first_epoch = [rows for mini_batch in layouts[0] for rows in mini_batch]
         experience = make_experience(gathered, engines, first_epoch, kl_coef, self.experience, group=actor.dp_group)
         made = time.perf_counter()
-        metrics = {**self._rollout_metrics(experience, raw, actor, kl_coef), **function_means}
+        metrics.update(self._rollout_metrics(experience, raw, kl_coef))
         metrics.update(self._update(experience, engines, updater, layouts))
         # after the update: on-policy GRPO measures the KL in the update's own forward
         self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
         done = time.perf_counter()
-        metrics.update(time_rollout_s=rolled - start, time_experience_s=made - rolled, time_update_s=done - made,
-                       time_gather_s=rollout.gather_s, generation_share=(rolled - start) / (done - start),
-                       samples=experience.sequences.shape[0])
+        metrics.update(time_rollout_s=times["generate"], time_experience_s=made - start - times["generate"],
+                       time_update_s=done - made, time_gather_s=times["gather"],
+                       generation_share=times["generate"] / (done - start), samples=experience.sequences.shape[0])
         return metrics
 
-    def _seed(self, purpose: str, dp_rank: int) -> int:
-        salt = {"rollout": 1, "permutation": 2, "eval": 3}[purpose]
+    def _sample(self, batch: PromptBatch, engines: dict) -> tuple[Experience, torch.Tensor, dict, dict]:
+        """Generate, score and gather on every rank: (the global batch, its raw scores (N,), the reward functions'
+        means, seconds spent generating and gathering). With ppo.filter_groups, rounds on the next prompts until
+        enough groups have varied scores (stages/ppo/filtering.py)."""
+        actor, n = engines["actor"], self.sampling.n_samples_per_prompt
+        rounds, times = [], {"generate": 0.0, "gather": 0.0}
+        for round_index in range(max(self.filter_max_rounds, 1)):
+            if round_index:
+                batch = self.fetch_more()
+                self.extra_prompt_batches += 1
+            began = time.perf_counter()
+            rollout = generate(actor, batch, self.sampling, pad_token_id=self.tokenizer.pad_token_id,
+                               eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank, round_index),
+                               group=actor.dp_group)
+            times["generate"] += time.perf_counter() - began
+            times["gather"] += rollout.gather_s
+            raw, function_means = self.raw_scores(rollout, engines)
+            shaped = self.shaping.apply(raw, rollout.ended, rollout.action_mask.sum(-1))
+            rounds.append((gather_rollout(rollout, shaped, actor.dp_group), all_gather_rows(raw, actor.dp_group),
+                           function_means))
+            varied = varied_groups(torch.cat([r[0].scores for r in rounds]), n)
+            if not self.filter_max_rounds or int(varied.sum()) >= self.prompts_per_step:
+                break
+        gathered = concat_experiences([r[0] for r in rounds], self.tokenizer.pad_token_id)
+        raw = torch.cat([r[1] for r in rounds])
+        metrics = {name: sum(r[2][name] for r in rounds) / len(rounds) for name in rounds[0][2]}  # equal-sized
+        if self.filter_max_rounds:
+            groups, topped_up = chosen_groups(varied, self.prompts_per_step)
+            rows = group_rows(groups, n)
+            gathered, raw = gathered.select(rows), raw[rows]
+            metrics.update(filter_rounds=len(rounds), filter_varied_groups=int(varied.sum()),
+                           filter_uniform_groups=int((~varied).sum()), filter_topped_up=topped_up,
+                           filter_prompt_batches=self.extra_prompt_batches)
+        return gathered, raw, metrics, times
+
+    def _seed(self, purpose: str, dp_rank: int, round_index: int = 0) -> int:
+        salt = {"rollout": 1, "permutation": 2, "eval": 3}[purpose] + 11 * round_index  # dynamic sampling's rounds
         return (self.seed * 1_000_003 + self.iteration * 7919 + dp_rank * 104_729 + salt) % (2 ** 63)
 
     def _layouts(self, total: int, actor) -> list[list[list[torch.Tensor]]]:
@@ -180,14 +216,12 @@ class PPOStage(Stage):
                               self.experience.micro_batch_size, actor.dp_rank, actor.dp_size)
                 for _ in range(self.update.epochs)]
 
-    def _rollout_metrics(self, exp: Experience, raw: torch.Tensor, actor, kl_coef: float) -> dict:
+    def _rollout_metrics(self, exp: Experience, raw: torch.Tensor, kl_coef: float) -> dict:
+        """exp and raw (N,): the global batch, the same on every rank."""
         mask = exp.action_mask.float()
         lengths = mask.sum(-1)  # (N,)
         kl_seq = (exp.kl * mask).sum(-1)  # (N,)
-        raw_sum, raw_sq = reduce_sums([raw.double().sum(), (raw.double() ** 2).sum()], actor)
-        n = exp.sequences.shape[0]
-        score_mean = raw_sum / n
-        return {"score": score_mean, "score_std": max(raw_sq / n - score_mean ** 2, 0.0) ** 0.5,
+        return {"score": raw.double().mean().item(), "score_std": raw.double().std(correction=0).item(),
                 "reward": (exp.scores - (0.0 if self.update.kl_in_loss else kl_coef) * kl_seq).mean().item(),
                 "kl": kl_seq.mean().item(),
                 "kl_token": (kl_seq.sum() / lengths.sum().clamp(min=1)).item(), "kl_coef": kl_coef,
@@ -351,8 +385,9 @@ class PPOStage(Stage):
                 "eval_samples": int(count)}
 
     def state_dict(self) -> dict:
-        return {"kl_controller": self.kl_controller.state_dict()}
+        return {"kl_controller": self.kl_controller.state_dict(), "extra_prompt_batches": self.extra_prompt_batches}
 
     def load_state_dict(self, state: dict) -> None:
         if "kl_controller" in state:
             self.kl_controller.load_state_dict(state["kl_controller"])
+        self.extra_prompt_batches = state.get("extra_prompt_batches", 0)
