@@ -34,6 +34,9 @@ def sp_problems(cfg: Any) -> list[str]:
                         f"all-to-all each rank attends over whole rows with {SEGMENT_ATTENTION} (its per-sample "
                         f"attention keeps packed samples apart); set model.attn_implementation={SEGMENT_ATTENTION} "
                         "or auto")
+    if cfg.model.dropout > 0:
+        problems.append(f"model.dropout={cfg.model.dropout} with backend.sp={sp}: sp peers draw the same dropout "
+                        "masks for different tokens (and heads), not independent ones; set model.dropout=0")
     if spec.sequence_parallel:
         for source in (role.source for role in stage_roles(cfg).values()):
             config = local_model_config(source)
@@ -47,10 +50,12 @@ def _stage_reason(spec) -> str:
     if spec.prompts:
         return ("generates its rollouts on whole sequences (generation is not sharded) and scores them in the "
                 "same forward layout: not sequence-parallel yet")
+    if spec.pair_scores == "scalar":
+        return ("reads one score per sequence at its last token, which may live on another sp rank: not "
+                "sequence-parallel yet")
     if spec.pairs:
         return "sums each response's log-probs per sequence, which sp ranks hold in parts: not sequence-parallel yet"
-    return ("reads one score per sequence at its last token, which may live on another sp rank: not "
-            "sequence-parallel yet")
+    return "is not sequence-parallel yet"
 
 
 def sp_model_problems(sp: int, tp: int, arch: Any) -> list[str]:
