@@ -31,12 +31,12 @@ from llmtrain.models.load import (
 )
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.ulysses import ulysses_attention
-from llmtrain.models.ulysses_checks import sp_degree
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
 from llmtrain.plan_fit import run_fit_problems
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
+from llmtrain.sequence_parallel import sp_degree
 from llmtrain.stages.base import trainable_roles
 from llmtrain.stages.registry import build_stage, load_stage_data, stage_roles, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
