@@ -20,7 +20,7 @@ ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default 
 
 
 def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
-    t, f, n, w, mixed = r.trainable, r.frozen, lay.dp, elem_bytes(precision), elem_bytes(precision) == 2
+    t, f, n, w, mixed = r.trainable, r.frozen, lay.shards, elem_bytes(precision), elem_bytes(precision) == 2
     if lay.stage == 0:
         return StateBytes(weights=w * (t + f), master=4 * t if mixed else 0.0, grads=w * t, optim=8 * t, gathered=0.0)
     whole_grads = lay.stage == 1 and (mixed or accum > 1)
@@ -36,7 +36,7 @@ def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: boo
 
 
 def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> list[Collective]:
-    t, f, n, w, k, g = role.trainable, role.frozen, lay.dp, elem_bytes(precision), accum, grad_elem_bytes(precision)
+    t, f, n, w, k, g = role.trainable, role.frozen, lay.shards, elem_bytes(precision), accum, grad_elem_bytes(precision)
     if lay.stage == 0:
         return [Collective("gradients", "all_reduce", g * t, n)]
     if lay.stage in (1, 2):
@@ -75,7 +75,7 @@ def gathers(lay: Layout, facts) -> tuple[int, float | None]:
 
 def layout(name: str, backend: DeepSpeedConfig, dims, hidden: int) -> Layout:
     threshold = backend.stage3_param_persistence_threshold
-    return Layout(name=name, backend=SPEC, stage=backend.zero_stage, dp=dims.dp_size * dims.sp, tp=dims.tp,
+    return Layout(name=name, backend=SPEC, stage=backend.zero_stage, dp=dims.dp_size, tp=dims.tp, sp=dims.sp,
                   offload_optimizer=backend.offload_optimizer.device, offload_param=backend.offload_param.device,
                   persistence_threshold=10 * hidden if threshold == "auto" else int(threshold))
 

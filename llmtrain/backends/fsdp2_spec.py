@@ -77,7 +77,7 @@ def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
 def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
     """fp32 shards always; the MixedPrecisionPolicy (bf16 gathers) on a GPU with bf16 only (backends/fsdp2.py)."""
     split = 1 - r.tp_fraction + r.tp_fraction / lay.tp  # per-rank share after TP
-    t, f, n = r.trainable * split, r.frozen * split, lay.dp
+    t, f, n = r.trainable * split, r.frozen * split, lay.shards
     w = 2 if on_gpu and precision == "bf16" else 4
     unsharded = accum > 1 and t > 0  # no_sync: gradients and weights kept whole between micro-batches
     s = StateBytes(weights=4 * (t + f) / n, master=0.0, grads=4 * t if unsharded else 4 * t / n, optim=8 * t / n,
@@ -89,7 +89,7 @@ def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: boo
 
 def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> list[Collective]:
     """The root (embeddings, head) is not resharded after forward; gradients reduce on the last micro-batch."""
-    t, f, n, k = role.trainable, role.frozen, lay.dp, accum
+    t, f, n, k = role.trainable, role.frozen, lay.shards, accum
     split = 1 - role.tp_fraction + role.tp_fraction / lay.tp
     wg = 2 if on_gpu and precision == "bf16" else 4
     whole, blocks = wg * (t + f) * split, wg * (t + f) * split * role.block_fraction
@@ -110,7 +110,7 @@ def gathers(lay: Layout, facts: Any) -> tuple[int, float | None]:
 
 
 def layout(name: str, backend: FSDP2Config, dims: ParallelDims, hidden: int) -> Layout:
-    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size * dims.sp, tp=dims.tp,  # shards over dp × sp
+    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp, sp=dims.sp,
                   offload_param="cpu" if backend.cpu_offload else "none",
                   reshard_after_forward=backend.reshard_after_forward)
 

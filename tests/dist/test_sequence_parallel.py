@@ -3,11 +3,12 @@ global batch.
 
 Every run loads the same saved tiny model (4 query heads, 2 kv-heads) and trains 6 steps of global batch 16 with
 weight decay on, saving at step 3: the sp=1 references are DDP on 2 ranks (micro 4 × accumulation 2 × dp 2); the
-sp=2 runs put both ranks on each row (micro 8 × accumulation 2 × dp 1). Packed rows (data.packing=true) fill
-64-token rows with several samples, so the shard cut at 32 falls inside samples. The worker
-(tests/dist/workers/sequence_parallel_checks.py) checks, in one launch, what the runs cannot show: per-token
-log-probs and summed gradients of crafted batches (a packed sample split by the cut, odd widths padded, one kv-head
-replicated), and that the attention is registered per run without touching transformers' own functions.
+sp=2 runs put both ranks on each row (micro 8 × accumulation 2 × dp 1), and one 4-rank run is dp 2 × sp 2.
+Packed rows (data.packing=true) fill 64-token rows with several samples, so the shard cut at 32 falls inside
+samples. The worker (tests/dist/workers/sequence_parallel_checks.py) checks, in one launch, what the runs cannot
+show: per-token log-probs and summed gradients of crafted batches (a packed sample split by the cut, odd widths
+padded, one kv-head replicated), and that the attention is registered per run without touching transformers' own
+functions.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ RUNS = {  # name -> overrides; "ddp*" are the sp=1 references
     "zero3_sp2": ["backend=zero3", *SP2, *PACKED],
     "fsdp2_sp2": ["backend=fsdp2", *SP2, *PACKED],
     "fsdp2_sp2_unpacked": ["backend=fsdp2", *SP2],
+    # 4 ranks: dp 2 × sp 2 (micro 4 × accumulation 2 × dp 2), FSDP2 sharding over dp_shard × sp flattened
+    "fsdp2_dp2_sp2": ["backend=fsdp2", "backend.sp=2", "trainer.micro_batch_size=4", *PACKED],
 }
+NPROC = {"fsdp2_dp2_sp2": 4}
 
 
 class Runs:
@@ -45,7 +49,7 @@ class Runs:
         if name not in self.done:
             out = self.root / name
             self.done[name] = run_cli(self.base_args(self.model_dir, out, *COMMON, *RUNS[base or name], *extra),
-                                      nproc=2)
+                                      nproc=NPROC.get(base or name, 2))
         assert_ok(self.done[name])
         return self.root / name
 
@@ -55,7 +59,7 @@ def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
     return Runs(tmp_path_factory.mktemp("sequence_parallel"), tiny_model_dir, base_args)
 
 
-@pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked"])
+@pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked", "fsdp2_dp2_sp2"])
 def test_sp2_equals_sp1(runs, name, assert_close_series):
     """Loss and grad norm of every step within 1e-5 relative of the sp=1 run (the first within 1e-6), the same
     target-token count (each target counted once across the sp peers) and lr."""
@@ -66,6 +70,19 @@ def test_sp2_equals_sp1(runs, name, assert_close_series):
     assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-5)
     assert reference[-1]["loss"] < reference[0]["loss"]
+
+
+def test_live_all_to_all_and_activations_match_the_plan(runs):
+    """The live cost of the first step (2 ranks, sp 2): 4 all-to-alls per layer forward and 4 backward per
+    micro-batch (2 layers, accumulation 2: 32 calls), bytes at most the plan's (rows of max_seq_len; a batch's rows
+    may be shorter) and within 20 % of it; activations measured at the shard's shape within 10 % of the planner's."""
+    first = read_metrics(runs("zero2_sp2"))[0][0]
+    plan = first["plan_comm_all_to_all_payload"]
+    for rank in (0, 1):
+        assert first[f"comm_r{rank}_all_to_all_calls"] == 4 * 2 * 2 * 2
+        assert 0.8 * plan <= first[f"comm_r{rank}_all_to_all_payload"] <= plan
+        measured, planned = first[f"memory_r{rank}_activations"], first[f"memory_r{rank}_plan_activations"]
+        assert abs(measured / planned - 1) < 0.1, (measured, planned)
 
 
 def test_bitwise_resume_with_sp2(runs):
