@@ -22,8 +22,10 @@ from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cl
 
 pytestmark = pytest.mark.dist
 
+EVAL = REPO / "llmtrain" / "assets" / "data" / "reverse_eval.jsonl"
 COMMON = ["trainer.max_steps=6", "trainer.grad_accum_steps=2", "optim.weight_decay=0.1",
-          "trainer.save_every_n_steps=3", "trainer.keep_last_k=2"]
+          "trainer.save_every_n_steps=3", "trainer.keep_last_k=2", "trainer.eval_every_n_steps=6",
+          f"data.eval_files=[{EVAL}]", "trainer.eval_batch_size=16"]
 SP2 = ["backend.sp=2", "trainer.micro_batch_size=8"]  # dp 1: the same 16 rows a step as dp 2 × micro 4
 PACKED = ["data.packing=true"]
 RUNS = {  # name -> overrides; "ddp*" are the sp=1 references
@@ -62,9 +64,15 @@ def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
 @pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked", "fsdp2_dp2_sp2"])
 def test_sp2_equals_sp1(runs, name, assert_close_series):
     """Loss and grad norm of every step within 1e-5 relative of the sp=1 run (the first within 1e-6), the same
-    target-token count (each target counted once across the sp peers) and lr."""
-    reference = read_metrics(runs("ddp_packed" if "unpacked" not in name else "ddp"))[0]
-    ours = read_metrics(runs(name))[0]
+    target-token count (each target counted once across the sp peers) and lr; the evaluations (steps 0 and 6, sharded
+    too) within 1e-5; the Hugging Face export's config.json the reference's (no trace of the run's attention name)."""
+    reference_dir = runs("ddp_packed" if "unpacked" not in name else "ddp")
+    reference, reference_eval = read_metrics(reference_dir)
+    ours, ours_eval = read_metrics(runs(name))
+    assert [r["eval_tokens"] for r in ours_eval] == [r["eval_tokens"] for r in reference_eval]
+    assert_close_series(ours_eval, reference_eval, "eval_loss", 1e-6, 1e-5)
+    exported = json.loads((runs(name) / "hf" / "config.json").read_text())
+    assert exported == json.loads((reference_dir / "hf" / "config.json").read_text())
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
     assert [r["lr"] for r in ours] == [r["lr"] for r in reference]
     assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
@@ -93,6 +101,19 @@ def test_bitwise_resume_with_sp2(runs):
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[3:]]
     assert [r["grad_norm"] for r in continued] == [r["grad_norm"] for r in reference[3:]]
+
+
+@pytest.mark.parametrize("name", ["zero2_sp2", "fsdp2_sp2"])
+def test_checkpoint_loads_with_another_sp(runs, name, assert_close_series):
+    """The step-3 checkpoint of an sp=2 run resumed at sp=1 (dp 2, micro 4: the same global batch) continues the
+    straight sp=2 run within 1e-5 (ZeRO partitions over all ranks either way; FSDP2's DCP reshards)."""
+    straight = runs(name)
+    other = runs(f"{name}_as_sp1", f"resume={straight}/checkpoints/step_3", "backend.sp=1",
+                 "trainer.micro_batch_size=4", base=name)
+    reference, continued = read_metrics(straight)[0], read_metrics(other)[0]
+    assert [r["step"] for r in continued] == [4, 5, 6]
+    assert_close_series(continued, reference[3:], "loss", 1e-6, 1e-5)
+    assert_close_series(continued, reference[3:], "grad_norm", 1e-6, 1e-5)
 
 
 def test_shards_attend_like_whole_rows(tmp_path):
