@@ -95,6 +95,12 @@ def model_problems(backend: DeepSpeedConfig, world_size: int, arch) -> list[str]
     return sp_model_problems(sp_of(backend), 1, arch)
 
 
+def plan_problems(backend: DeepSpeedConfig, world_size: int, facts) -> list[str]:
+    from llmtrain.models.ulysses_checks import sp_facts_problems
+
+    return sp_facts_problems(sp_of(backend), 1, facts)
+
+
 def row_name(backend: DeepSpeedConfig) -> str:
     offload = backend.offload_optimizer.device != "none" or backend.offload_param.device != "none"
     return f"zero{backend.zero_stage}" + ("_offload" if offload else "")
@@ -104,6 +110,6 @@ SPEC = BackendSpec(name="deepspeed", engine="llmtrain.backends.deepspeed:DeepSpe
                    config_class=DeepSpeedConfig,
                    presets=("deepspeed", "zero0", "zero1", "zero2", "zero3", "zero3_offload"),
                    compared=("zero1", "zero2", "zero3", "zero3_offload"), degrees=degrees, problems=problems,
-                   model_problems=model_problems,
+                   model_problems=model_problems, plan_problems=plan_problems,
                    layout=layout, row_name=row_name, holdings=holdings, collectives=collectives, gathers=gathers,
                    frozen_in_compute_dtype=True)

@@ -5,6 +5,10 @@
                      TP comes first because it replaces Linear weights by DTensors; FSDP then shards
                      those DTensors once more along dim 0 on the dp mesh (2-D (dp, tp) DTensors). The
                      other way round FSDP would gather full weights that TP then slices again.
+  (sp)           — Ulysses sequence parallelism has no step here either: the model was built with the run's
+                     Ulysses attention (models/ulysses.py, an all-to-all around each attention), and apply_fsdp
+                     shards over dp_shard × sp flattened (the "fsdp" mesh): sp peers hold the same weights and
+                     their gradients are summed like dp peers' (each saw other tokens of the same rows).
   2. (activation checkpointing: no step here) — it must wrap a block's forward *inside* FSDP's hooks,
                      so the recompute in backward does not all-gather again; transformers' checkpointing
                      (model.activation_checkpointing, set by the loader before this) wraps `forward`,

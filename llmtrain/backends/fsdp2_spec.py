@@ -63,10 +63,11 @@ def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
 
 def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     """model_problems on the planner's model facts (no transformers config at hand)."""
-    if backend.tp <= 1:
-        return []
-    if sp_of(backend) > 1:
-        return []  # the planner's sp column is not there yet: the run's own check (model_problems) applies
+    from llmtrain.models.ulysses_checks import sp_facts_problems
+
+    sp_found = sp_facts_problems(sp_of(backend), backend.tp, facts)
+    if backend.tp <= 1 or sp_found:
+        return sp_found
     if not facts.tp_params:
         return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
     return ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size).model_problems(

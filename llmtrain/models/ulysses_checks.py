@@ -4,7 +4,15 @@ Each line names the field and the fix."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
+
+
+def sp_facts_problems(sp: int, tp: int, facts: Any) -> list[str]:
+    """sp_model_problems on the planner's model facts (models/facts.ModelFacts: no transformers config at hand)."""
+    arch = SimpleNamespace(num_attention_heads=facts.heads, num_key_value_heads=facts.kv_heads,
+                           model_type=facts.model_type)
+    return sp_model_problems(sp, tp, arch)
 
 
 def sp_model_problems(sp: int, tp: int, arch: Any) -> list[str]:
