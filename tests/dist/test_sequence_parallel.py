@@ -3,7 +3,8 @@ global batch.
 
 Every run loads the same saved tiny model (4 query heads, 2 kv-heads) and trains 6 steps of global batch 16 with
 weight decay on, saving at step 3: the sp=1 references are DDP on 2 ranks (micro 4 × accumulation 2 × dp 2); the
-sp=2 runs put both ranks on each row (micro 8 × accumulation 2 × dp 1), and one 4-rank run is dp 2 × sp 2.
+sp=2 runs put both ranks on each row (micro 8 × accumulation 2 × dp 1); two 4-rank runs are dp 2 × sp 2 and
+sp 2 × tp 2.
 Packed rows (data.packing=true) fill 64-token rows with several samples, so the shard cut at 32 falls inside
 samples. The worker (tests/dist/workers/sequence_parallel_checks.py) checks, in one launch, what the runs cannot
 show: per-token log-probs and summed gradients of crafted batches (a packed sample split by the cut, odd widths
@@ -37,8 +38,10 @@ RUNS = {  # name -> overrides; "ddp*" are the sp=1 references
     "fsdp2_sp2_unpacked": ["backend=fsdp2", *SP2],
     # 4 ranks: dp 2 × sp 2 (micro 4 × accumulation 2 × dp 2), FSDP2 sharding over dp_shard × sp flattened
     "fsdp2_dp2_sp2": ["backend=fsdp2", "backend.sp=2", "trainer.micro_batch_size=4", *PACKED],
+    # 4 ranks: sp 2 × tp 2 (dp 1): 2 query heads and 1 kv-head per tp rank, so the kv-head is repeated for sp
+    "fsdp2_sp2_tp2": ["backend=fsdp2", "backend.tp=2", *SP2, *PACKED],
 }
-NPROC = {"fsdp2_dp2_sp2": 4}
+NPROC = {"fsdp2_dp2_sp2": 4, "fsdp2_sp2_tp2": 4}
 
 
 class Runs:
@@ -61,7 +64,8 @@ def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
     return Runs(tmp_path_factory.mktemp("sequence_parallel"), tiny_model_dir, base_args)
 
 
-@pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked", "fsdp2_dp2_sp2"])
+@pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked", "fsdp2_dp2_sp2",
+                                  "fsdp2_sp2_tp2"])
 def test_sp2_equals_sp1(runs, name, assert_close_series):
     """Loss and grad norm of every step within 1e-5 relative of the sp=1 run (the first within 1e-6), the same
     target-token count (each target counted once across the sp peers) and lr; the evaluations (steps 0 and 6, sharded
