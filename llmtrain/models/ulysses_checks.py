@@ -15,6 +15,14 @@ def sp_facts_problems(sp: int, tp: int, facts: Any) -> list[str]:
     return sp_model_problems(sp, tp, arch)
 
 
+def _has_routers(arch: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    from llmtrain.models.moe import router_of
+
+    return isinstance(arch, PretrainedConfig) and router_of(SimpleNamespace(config=arch)) is not None
+
+
 def sp_model_problems(sp: int, tp: int, arch: Any) -> list[str]:
     """Query heads split over sp × tp; kv-heads over tp, then over sp or repeated up to it (each must divide the
     other: KV/tp = 2 with sp = 4 repeats each kv-head twice)."""
@@ -30,6 +38,10 @@ def sp_model_problems(sp: int, tp: int, arch: Any) -> list[str]:
     if heads % (sp * tp):
         return [f"{layout} must divide the model's num_attention_heads={heads} ({arch.model_type}): the all-to-all "
                 f"gives each sp rank heads/(sp·tp) whole heads; pick backend.sp among {fits}"]
+    if _has_routers(arch):
+        return [f"backend.sp={sp} with an MoE model ({arch.model_type}): the routers' aux loss is a statistic of the "
+                "tokens one forward sees, and an sp rank sees s/sp of each row (the loss would differ from sp=1's); "
+                "set backend.sp=1"]
     if kv and kv % sp and sp % kv:
         return [f"backend.sp={sp} and the model's {kv} kv-heads per tp rank ({arch.model_type}): one must divide the "
                 f"other (fewer kv-heads than sp are repeated); pick backend.sp among "

@@ -111,6 +111,8 @@ def test_heads_checks():
     assert "backend.sp=4 × backend.tp=2 = 8 is more than the model's 4 query heads" in more
     [divide] = sp_model_problems(3, 1, _arch(heads=4, kv=4))
     assert "backend.sp=3 must divide the model's num_attention_heads=4" in divide and "[1, 2, 4]" in divide
+    moe = AutoConfig.for_model("qwen2_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert "MoE model (qwen2_moe)" in sp_model_problems(2, 1, moe)[0]
     [kv] = sp_model_problems(4, 1, _arch(heads=12, kv=6))
     assert "6 kv-heads per tp rank" in kv and "pick backend.sp among [1, 2, 3, 6, 12]" in kv
 
