@@ -86,7 +86,12 @@ def degrees(backend: DeepSpeedConfig) -> dict[str, int]:
 
 
 def problems(backend: DeepSpeedConfig, world_size: int) -> list[str]:
-    return deepspeed_problems(backend, world_size) + ParallelDims.problems(1, -1, 1, world_size, sp_of(backend))
+    sp = sp_of(backend)
+    if sp >= 1 and world_size % sp:  # DeepSpeed has no dp_shard / tp to change: say it in its own terms
+        return deepspeed_problems(backend, world_size) + [
+            f"backend.sp={sp} must divide the world size {world_size} (nnodes × nproc_per_node; data parallel = "
+            "world / sp); change backend.sp or the number of processes"]
+    return deepspeed_problems(backend, world_size) + ParallelDims.problems(1, -1, 1, world_size, sp)
 
 
 def model_problems(backend: DeepSpeedConfig, world_size: int, arch) -> list[str]:
