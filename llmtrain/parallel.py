@@ -199,14 +199,17 @@ def exit_process(code: int) -> None:
 # The dimensions a run's world splits into, outermost first (the device mesh's order): tp innermost, so TP peers
 # are adjacent ranks (on a node: NVLink). A new dimension (pp, cp, ep) is a name here, a field of ParallelDims,
 # a degree a backend's config may set, and a column of the planner.
-DIMS = ("dp_replicate", "dp_shard", "tp")
+# sp (Ulysses sequence parallelism) sits between dp_shard and tp: sp peers share one sequence and exchange all of
+# it in each attention's all-to-alls (4 per layer), more traffic than dp's once-a-step gradients, less than tp's.
+DIMS = ("dp_replicate", "dp_shard", "sp", "tp")
 # Dimensions no backend has yet: named so a `backend.pp=2` gets a message that says so.
-PLANNED_DIMS = {"pp": "pipeline stages", "cp": "context parallelism", "sp": "sequence parallelism",
-                "ep": "expert parallelism"}
+PLANNED_DIMS = {"pp": "pipeline stages", "cp": "context parallelism", "ep": "expert parallelism"}
 
 
-def _degrees(dp_replicate: int, dp_shard: int, tp: int) -> str:
-    return f"backend.dp_replicate={dp_replicate} × backend.dp_shard={dp_shard} × backend.tp={tp}"
+def _degrees(dp_replicate: int, dp_shard: int, tp: int, sp: int = 1) -> str:
+    """Every degree of the layout (sp only when set: messages of runs without it read as before)."""
+    with_sp = f" × backend.sp={sp}" if sp != 1 else ""
+    return f"backend.dp_replicate={dp_replicate} × backend.dp_shard={dp_shard}{with_sp} × backend.tp={tp}"
 
 
 @dataclass(frozen=True)
@@ -228,40 +231,44 @@ class ParallelDims:
     tp: int
     world_size: int
     device_type: str | None = None
+    sp: int = 1  # Ulysses sequence-parallel peers: one sequence, s/sp tokens each (models/ulysses.py)
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
-    def problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> list[str]:
+    def problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int, sp: int = 1) -> list[str]:
         """Pure arithmetic: what is wrong with these degrees for this world size (empty: fine)."""
-        named = {"backend.dp_replicate": dp_replicate, "backend.tp": tp}
+        named = {"backend.dp_replicate": dp_replicate, "backend.sp": sp, "backend.tp": tp}
         bad = [f"{k}={v} must be >= 1" for k, v in named.items() if v < 1]
         if dp_shard < 1 and dp_shard != -1:
             bad.append(f"backend.dp_shard={dp_shard} must be >= 1, or -1 to infer it from the world size")
         if bad:
-            return [f"{b} ({_degrees(dp_replicate, dp_shard, tp)}, world size {world_size})" for b in bad]
+            return [f"{b} ({_degrees(dp_replicate, dp_shard, tp, sp)}, world size {world_size})" for b in bad]
         if dp_shard == -1:
-            if world_size % (dp_replicate * tp):
+            fixed = dp_replicate * sp * tp
+            if world_size % fixed:
+                with_sp = f" × backend.sp={sp}" if sp != 1 else ""
                 return [f"backend.dp_shard=-1 (infer) needs world size {world_size} divisible by "
-                        f"backend.dp_replicate={dp_replicate} × backend.tp={tp} = {dp_replicate * tp}; "
-                        "change backend.tp / backend.dp_replicate or the number of processes"]
+                        f"backend.dp_replicate={dp_replicate}{with_sp} × backend.tp={tp} = {fixed}; "
+                        f"change backend.tp{' / backend.sp' if sp != 1 else ''} / backend.dp_replicate or the "
+                        "number of processes"]
             return []
-        product = dp_replicate * dp_shard * tp
+        product = dp_replicate * dp_shard * sp * tp
         if product != world_size:
-            return [f"{_degrees(dp_replicate, dp_shard, tp)} = {product}, not the world size {world_size} "
+            return [f"{_degrees(dp_replicate, dp_shard, tp, sp)} = {product}, not the world size {world_size} "
                     "(nnodes × nproc_per_node); set backend.dp_shard=-1 to infer it or change the degrees"]
         return []
 
     @classmethod
     def build(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int,
-              device_type: str | None = None) -> ParallelDims:
+              device_type: str | None = None, sp: int = 1) -> ParallelDims:
         from llmtrain.config import ConfigError
 
-        problems = cls.problems(dp_replicate, dp_shard, tp, world_size)
+        problems = cls.problems(dp_replicate, dp_shard, tp, world_size, sp)
         if problems:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
         if dp_shard == -1:
-            dp_shard = world_size // (dp_replicate * tp)
-        return cls(dp_replicate, dp_shard, tp, world_size, device_type)
+            dp_shard = world_size // (dp_replicate * sp * tp)
+        return cls(dp_replicate, dp_shard, tp, world_size, device_type, sp)
 
     def on(self, device_type: str) -> ParallelDims:
         """The same layout with its meshes on `device_type` (none built yet)."""
@@ -273,7 +280,7 @@ class ParallelDims:
         sizes = {"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
                  "intermediate_size": intermediate_size}
         return [f"backend.tp={self.tp} must divide the model's {name}={value} ({model_type}; "
-                f"{_degrees(self.dp_replicate, self.dp_shard, self.tp)}, world size {self.world_size}); "
+                f"{_degrees(self.dp_replicate, self.dp_shard, self.tp, self.sp)}, world size {self.world_size}); "
                 f"pick a tp among {_divisors_of_all([v for v in sizes.values() if v])}"
                 for name, value in sizes.items() if value and value % self.tp]
 
@@ -286,6 +293,14 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_dim_names(self) -> tuple[str, ...]:
+        """What fully_shard shards over: dp_dim_names, with sp folded into dp_shard (sp peers hold the same weights
+        and sum their gradients, as dp peers do)."""
+        if self.sp == 1:
+            return self.dp_dim_names
+        return ("dp_replicate", "dp_shard_sp") if self.dp_replicate > 1 else ("dp_shard_sp",)
+
+    @property
     def dp_dim_names(self) -> tuple[str, ...]:
         """The mesh dims fully_shard gets: ("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP."""
         return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
@@ -293,17 +308,32 @@ class ParallelDims:
     def data_parallel(self, rank: int) -> tuple[int, int, object]:
         """(dp_rank, dp_size, dp_group) of this rank: which examples it reads, among how many ranks, and the group
         its loss and token sums are reduced over. Every rank its own data (no tp, no replicas): the world (group
-        None), no mesh needed; otherwise the "dp" mesh."""
+        None), no mesh needed; otherwise the "dp" mesh. With sp the sums are reduced over the sp peers too (each
+        holds other tokens of the same rows): the "loss" group (`loss_group`)."""
         if self.dp_size == self.world_size and self.dp_replicate == 1:
             return rank, self.world_size, None
         mesh = self.mesh("dp")
+        return mesh.get_local_rank(), mesh.size(), self.loss_group() if self.sp > 1 else mesh.get_group()
+
+    def loss_group(self):
+        """Ranks whose loss and token sums add up to the global batch's: dp × sp (None: the world, when no tp)."""
+        if self.tp == 1:
+            return None
+        return self.mesh("loss").get_group()
+
+    def sequence_parallel(self) -> tuple[int, int, object]:
+        """(sp_rank, sp_size, sp_group): this rank's shard of each row, among how many, and the all-to-all group."""
+        if self.sp == 1:
+            return 0, 1, None
+        mesh = self.mesh("sp")
         return mesh.get_local_rank(), mesh.size(), mesh.get_group()
 
     def mesh(self, name: str):
         """A device mesh by name, from the world mesh built once: "world"; a dimension ("dp_shard" always,
         "dp_replicate" and "tp" when > 1); "dp" (ranks that read different data: the sampler's coordinates and
         the loss reduction); "fsdp" (what fully_shard shards over: dp_shard, or (dp_replicate, dp_shard) for
-        HSDP); "dp_shard_tp" (with tp: a norm partial over both dims is one all-reduce instead of two)."""
+        HSDP; with sp, dp_shard × sp flattened: sp peers hold the same weights); "dp_shard_tp" (with tp: a norm
+        partial over both dims is one all-reduce instead of two); with sp, "sp" and "loss" (dp × sp)."""
         if name not in self._meshes:
             self._meshes[name] = self._make_mesh(name)
         return self._meshes[name]
@@ -312,9 +342,9 @@ class ParallelDims:
         if name == "world":
             return self._build_world_mesh()
         world = self.mesh("world")
-        names = {"dp": "dp" if self.dp_replicate > 1 else "dp_shard", "fsdp": self.dp_dim_names}.get(name, name)
+        names = {"dp": "dp" if self.dp_replicate > 1 else "dp_shard", "fsdp": self.fsdp_dim_names}.get(name, name)
         available = (*world.mesh_dim_names, *(("dp",) if self.dp_replicate > 1 else ()),
-                     *(("dp_shard_tp",) if self.tp > 1 else ()))
+                     *(("dp_shard_tp",) if self.tp > 1 else ()), *(("dp_shard_sp", "loss") if self.sp > 1 else ()))
         if any(n not in available for n in ((names,) if isinstance(names, str) else names)):
             raise ValueError(f"no {name!r} mesh in this layout ({self}); meshes: world, fsdp, {', '.join(available)}")
         return world[names]
@@ -327,17 +357,21 @@ class ParallelDims:
 
         if self.device_type is None:
             raise ValueError(f"ParallelDims({self}) has no device type: build it with .on(device_type) for meshes")
-        names = (*self.dp_dim_names, *(("tp",) if self.tp > 1 else ()))
+        names = (*self.dp_dim_names, *(("sp",) if self.sp > 1 else ()), *(("tp",) if self.tp > 1 else ()))
         mesh = init_device_mesh(self.device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
         if self.dp_replicate > 1:
             mesh[self.dp_dim_names]._flatten("dp")
+        if self.sp > 1:
+            mesh[("dp_shard", "sp")]._flatten("dp_shard_sp")
+            mesh[(*self.dp_dim_names, "sp")]._flatten("loss")
         if self.tp > 1:
             mesh[("dp_shard", "tp")]._flatten("dp_shard_tp")
         return mesh
 
     def __str__(self) -> str:
+        with_sp = f"sp {self.sp} × " if self.sp != 1 else ""
         return (f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} × "
-                f"tp {self.tp} (data parallel {self.dp_size})")
+                f"{with_sp}tp {self.tp} (data parallel {self.dp_size})")
 
 
 def _divisors_of_all(values: list[int]) -> list[int]:

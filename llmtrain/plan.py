@@ -37,6 +37,7 @@ from llmtrain.metrics.cost import (
     logits_bytes,
     state_bytes,
     step_seconds,
+    ulysses_all_to_all,
 )
 from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
@@ -143,10 +144,11 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     rows, elem = b * st.rows_per_sample, 2 if st.precision in ("bf16", "fp16") else 4
     f = st.facts
     trainable = sum(st.roles.values())
-    act = activation_bytes(rows, st.seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
+    seq = -(-st.seq // layout.sp)  # sequence parallelism: each rank's shard of every row
+    act = activation_bytes(rows, seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
                            tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
                            softcapping=f.softcapping)
-    return trainable * act, trainable * head_bytes(st, rows, st.seq)[1]
+    return trainable * act, trainable * head_bytes(st, rows, seq)[1]
 
 
 def head_bytes(st: Setting, rows: int, seq: int) -> tuple[float, float]:
@@ -182,13 +184,16 @@ def plan_row(st: Setting, layout: Layout) -> Row:
     act, logit = _per_micro(st, layout, st.micro)
     usable = st.gpu.memory_gib * GIB * USABLE
     device = fixed + act + logit
-    tokens = st.micro * st.seq * st.rows_per_sample
+    tokens = st.micro * -(-st.seq // layout.sp) * st.rows_per_sample  # this rank's: s/sp of each row
     shape = dict(tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers, checkpointing=st.checkpointing,
                  on_gpu=on_gpu)
     if st.rl is not None:
         comm = rl_communication(params, layout, st.precision, st.rl.schedule(layout.dp), **shape)
     else:
         comm = [c for p, _ in params.values() for c in communication(p, layout, st.precision, accum=st.accum, **shape)]
+        comm += [c for trainable in st.roles.values() for c in ulysses_all_to_all(
+            layout, st.precision, tokens_per_micro=tokens, hidden=f.hidden, kv_hidden=f.kv_heads * f.hidden // f.heads,
+            kv_heads=f.kv_heads, layers=f.layers, accum=st.accum, trainable=trainable, checkpointing=st.checkpointing)]
     times = None
     if st.gpu.peak_tflops:
         model, hardware = step_flops(st, layout)
@@ -408,6 +413,8 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "
                      f"count all of it; the rollout's own gathers, a few KB, are left out)")
+    lines += [f"{r.layout.name}: dp {r.layout.dp} × sp {r.layout.sp}, {-(-st.seq // r.layout.sp)} tokens of each row "
+              "per rank (activations and logits at s/sp; 4 all-to-alls per layer)" for r in rows if r.layout.sp > 1]
     lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
               "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]
     if len(st.roles) > 1 or not cfg.plan.compare_backends:

@@ -17,8 +17,10 @@ from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
+from llmtrain.data.sequence_shard import sequence_preparer
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
+from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.models.load import (
     attention_for_family,
@@ -28,11 +30,13 @@ from llmtrain.models.load import (
     resolve_attn_implementation,
 )
 from llmtrain.models.lora import LoraSettings
+from llmtrain.models.ulysses import ulysses_attention
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
 from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
 from llmtrain.plan_fit import run_fit_problems
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
+from llmtrain.sequence_parallel import sp_degree
 from llmtrain.stages.base import trainable_roles
 from llmtrain.stages.registry import build_stage, load_stage_data, stage_roles, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
@@ -103,6 +107,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         log.info("plan:\n%s", plan.text)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
     attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
+    attn = SEGMENT_ATTENTION if sp_degree(cfg.backend) > 1 else attn  # Ulysses wraps sdpa_segments (validated)
     configs = [model_config(r.source.name_or_path, r.source.from_config, r.source.config_path,
                             r.source.trust_remote_code, vocab_size=len(tokenizer)) for r in stage_roles(cfg).values()]
     attn = attention_for_family(attn, m.attn_implementation, configs)  # what each role's class supports (Gemma-2)
@@ -118,11 +123,12 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
+    sp_rank, sp, model_attn = sequence_parallel_attention(backend, attn)
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
-                            ModelOptions(attn, m.dropout, m.activation_checkpointing, fused_head_chunk(m, ctx)), t.seed,
-                            optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
-    prepare_batch = batch_preparer(ctx.device, precision, attn)
+                            ModelOptions(model_attn, m.dropout, m.activation_checkpointing, fused_head_chunk(m, ctx)),
+                            t.seed, optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
+    prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp)
     engines = stage.prepare(engines, data, prepare_batch)
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
@@ -196,10 +202,27 @@ def fused_head_chunk(m: DictConfig, ctx: DistContext) -> int | None:
     return m.loss_chunk_tokens
 
 
-def batch_preparer(device: torch.device, precision: str, attn_implementation: str):
+def sequence_parallel_attention(backend, attn: str) -> tuple[int, int, str]:
+    """(sp rank, sp, the models' attention): with backend.sp > 1 the run's attention behind the Ulysses exchange,
+    registered under a name of this run's own (models/ulysses.py); else `attn` itself."""
+    dims = getattr(backend, "dims", None)
+    if dims is None or dims.sp == 1:
+        return 0, 1, attn
+    if attn != SEGMENT_ATTENTION:  # validation refuses what it can read; a hub family falling back to eager here
+        raise ConfigError(f"backend.sp={dims.sp}: the model runs {attn} attention, sequence parallelism needs "
+                          f"{SEGMENT_ATTENTION} (model.attn_implementation={SEGMENT_ATTENTION}); set backend.sp=1")
+    sp_rank, sp, group = dims.sequence_parallel()
+    return sp_rank, sp, ulysses_attention(attn, sp, group)
+
+
+def batch_preparer(device: torch.device, precision: str, attn_implementation: str, sp_rank: int = 0, sp: int = 1):
     """Move a batch to the device with the attention inputs its attention reads (a dense packed mask, when
-    one is needed, in the compute dtype: sdpa wants them equal)."""
+    one is needed, in the compute dtype: sdpa wants them equal). With sp > 1: this rank's sequence shard of it,
+    cut on the host (data/sequence_shard.py)."""
     mask_dtype = autocast_dtype(precision) or torch.float32
+    if sp > 1:
+        shard = sequence_preparer(attn_implementation, sp_rank, sp)
+        return lambda batch: shard(batch).to(device, non_blocking=device.type == "cuda")
 
     def prepare(batch):
         return batch.to(device, non_blocking=device.type == "cuda").for_attention(attn_implementation, mask_dtype)

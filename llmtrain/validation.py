@@ -15,6 +15,7 @@ from llmtrain.data.formats import FORMATS
 from llmtrain.data.prompts import PROMPT_FORMATS
 from llmtrain.models.load import family_attention_problems, local_model_config
 from llmtrain.models.lora_checks import PEFT_METHODS, peft_problems, qlora_problems
+from llmtrain.sequence_parallel import sp_problems
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
 DATA_FORMATS = (*FORMATS, *(f for f in PROMPT_FORMATS if f not in FORMATS))
@@ -44,6 +45,7 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += stage_problems(cfg, dp)
     problems += peft_problems(cfg.peft, cfg.backend, reference_off_adapters(cfg))
     problems += attention_problems(cfg)
+    problems += sp_problems(cfg)
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
 
 

@@ -94,10 +94,10 @@ def data_parallel_size(backend: Any, world_size: int) -> int:
     """Ranks that see different data (tensor-parallel peers share theirs), from the run's ParallelDims; for degrees
     that do not fit the world (reported by the backend check) world // tp."""
     degrees = parallel_degrees(backend)
-    ordered = [degrees[name] for name in DIMS]
-    if ParallelDims.problems(*ordered, world_size):
-        return max(1, world_size // max(1, degrees["tp"]))
-    return ParallelDims.build(*ordered, world_size).dp_size
+    named = {name: degrees.get(name, 1) for name in DIMS}
+    if ParallelDims.problems(world_size=world_size, **named):
+        return max(1, world_size // max(1, degrees["tp"] * degrees.get("sp", 1)))
+    return ParallelDims.build(world_size=world_size, **named).dp_size
 
 
 def backends_that(capability: str) -> tuple[str, ...]:

@@ -68,6 +68,7 @@ class AdapterOffEngine:
         self.target, self.target_role = target, target_role
         self.ctx = target.ctx
         self.dp_rank, self.dp_size, self.dp_group = target.dp_rank, target.dp_size, target.dp_group
+        self.sp_rank, self.sp_size, self.sp_group = target.sp_rank, target.sp_size, target.sp_group
         self.model = target.model  # the same module object: nothing of its own
         self.module = AdapterOffForward(target)
 

@@ -45,7 +45,10 @@ class Engine(Protocol):
     trainable: bool  # False: wrapped with optim=None (no optimizer, no gradients, nothing checkpointed)
     dp_rank: int  # this rank's data-parallel coordinate: which examples it reads
     dp_size: int  # ranks that read different examples (tensor-parallel peers share theirs)
-    dp_group: object  # process group over which loss/token sums are reduced (None: the world)
+    dp_group: object  # process group over which loss/token sums are reduced (None: the world): dp × sp ranks
+    sp_rank: int  # this rank's sequence shard of each row (models/ulysses.py); 0 without sp
+    sp_size: int  # ranks that share each row (backend.sp); gradients are summed over dp × sp ranks
+    sp_group: object  # the sp peers' all-to-all group (None without sp)
     skips_nonfinite_grads: bool  # True when the engine's loss scaler skips overflowed steps itself
 
     def autocast(self) -> AbstractContextManager: ...

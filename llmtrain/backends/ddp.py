@@ -50,6 +50,7 @@ class DDPEngine(ScaledOptimizerSteps):
                  dims: ParallelDims):
         self.ctx = ctx
         self.dp_rank, self.dp_size, self.dp_group = dims.data_parallel(ctx.rank)
+        self.sp_rank, self.sp_size, self.sp_group = 0, 1, None  # no sequence parallelism (backend.sp: not a field)
         self.model = model.to(ctx.device)
         self.optim_spec = optim
         self.compute_dtype = autocast_dtype(precision)

@@ -58,6 +58,8 @@ class DeepSpeedEngine:
         deepspeed = import_deepspeed()
         self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
         self.dp_rank, self.dp_size, self.dp_group = dims.data_parallel(ctx.rank)  # ZeRO partitions over the world
+        self.sp_rank, self.sp_size, self.sp_group = dims.sequence_parallel()
+        self.zero_ranks = self.dp_size * self.sp_size  # ZeRO's group: every rank (sp peers hold the same weights)
         self.stage = settings.zero_stage
         self.trainable = optim is not None
         self.skips_nonfinite_grads = precision == "fp16"  # DeepSpeed's dynamic loss scaler skips overflows
@@ -85,7 +87,7 @@ class DeepSpeedEngine:
         self._own_norm = self.ds.optimizer is self.optimizer
         if ctx.is_main:
             log.info("DeepSpeed ZeRO-%d on %d ranks, %s, optimizer %s (offload: optimizer %s, params %s)", self.stage,
-                     self.dp_size, precision, self.optimizer_name, settings.offload_optimizer.device,
+                     self.zero_ranks, precision, self.optimizer_name, settings.offload_optimizer.device,
                      settings.offload_param.device)
 
     def _init_frozen(self, deepspeed, model, ds_config) -> None:
@@ -112,8 +114,8 @@ class DeepSpeedEngine:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        # Undo what DeepSpeed applies: no 1/accumulation (scale_wrt_gas=False), × dp size for its average.
-        self.ds.backward(loss * self.dp_size, scale_wrt_gas=False)
+        # Undo what DeepSpeed applies: no 1/accumulation (scale_wrt_gas=False), × its ranks (dp × sp) for its average.
+        self.ds.backward(loss * self.zero_ranks, scale_wrt_gas=False)
         if self._measuring:  # gradients exist between backward and step: their peak over the micro-batches
             ledger = storage_ledger(self.ds.optimizer, self.model)
             for role in ("grads", "buffers"):
@@ -133,7 +135,7 @@ class DeepSpeedEngine:
         self._step_applied = self.ds.was_step_applied()
         if self._measuring:
             self._memory = measure_model_states(self.ds, self.model, self.settings, self._grad_peak,
-                                                self.dp_size, self.ctx.is_main)
+                                                self.zero_ranks, self.ctx.is_main)
             self._measuring = False
         if own is not None:
             return own
@@ -187,7 +189,7 @@ class DeepSpeedEngine:
         self.ds.save_checkpoint(str(directory), tag=TAG, client_state={}, save_latest=True,
                                 exclude_frozen_parameters=has_frozen_params(self.model))
         if self.ctx.is_main:
-            (directory / META).write_text(json.dumps({"zero_stage": self.stage, "dp_size": self.dp_size,
+            (directory / META).write_text(json.dumps({"zero_stage": self.stage, "dp_size": self.zero_ranks,
                                                       "precision": self.precision}, indent=1))
 
     def load_checkpoint(self, directory: Path) -> None:
@@ -199,7 +201,7 @@ class DeepSpeedEngine:
             raise ConfigError(f"resume: {directory} holds no DeepSpeed checkpoint (written by another backend?): "
                               "resume with the backend that wrote it")
         meta = json.loads((directory / META).read_text())
-        if meta["dp_size"] != self.dp_size or meta["zero_stage"] != self.stage:
+        if meta["dp_size"] != self.zero_ranks or meta["zero_stage"] != self.stage:
             self._load_resharded(directory, meta)
             return
         path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_module_strict=not has_frozen_params(self.model),
@@ -247,7 +249,7 @@ class DeepSpeedEngine:
         if meta["zero_stage"] != self.stage and {meta["zero_stage"], self.stage} != {1, 2} or self.stage == 0:
             raise ConfigError(
                 f"resume: {directory} was saved with ZeRO-{meta['zero_stage']} on {meta['dp_size']} ranks, this run "
-                f"is ZeRO-{self.stage} on {self.dp_size}: a DeepSpeed checkpoint changes dp size within ZeRO-1/2/3 "
+                f"is ZeRO-{self.stage} on {self.zero_ranks}: a DeepSpeed checkpoint changes dp size within ZeRO-1/2/3 "
                 "and stage between 1 and 2 only; keep backend.zero_stage, or start a new run from a Hugging Face "
                 "export (model.name_or_path=RUN/hf, written when a run ends)")
         from deepspeed.checkpoint.ds_to_universal import main as to_universal
@@ -255,7 +257,7 @@ class DeepSpeedEngine:
         root = Path(self.settings.output_dir or directory.parent) / ".universal_tmp"
         log.warning("resume: %s was saved with ZeRO-%d on %d dp ranks, this run is ZeRO-%d on %d: converting it to a "
                     "DeepSpeed universal checkpoint in %s", directory, meta["zero_stage"], meta["dp_size"], self.stage,
-                    self.dp_size, root)
+                    self.zero_ranks, root)
         if self.ctx.is_main:
             shutil.rmtree(root, ignore_errors=True)
             args = argparse.Namespace(input_folder=str(directory / TAG), output_folder=str(root / TAG),
@@ -356,7 +358,7 @@ class DeepSpeedBackend:
         if model is not None and hidden is None and autos:
             raise ConfigError(f"{', '.join(autos)}=auto size DeepSpeed's buckets from the model's hidden_size, which "
                               f"{type(model).__name__}'s config lacks: set them to integers (elements)")
-        return build_ds_config(self.settings, dp_size=self.dims.dp_size, precision=self.precision,
+        return build_ds_config(self.settings, dp_size=self.dims.dp_size * self.dims.sp, precision=self.precision,
                                max_grad_norm=max_grad_norm, hidden_size=hidden)
 
     def _write_config(self, config: dict) -> None:

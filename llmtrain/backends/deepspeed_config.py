@@ -29,6 +29,7 @@ class DeepSpeedConfig(BackendNode):
     """`backend=deepspeed` (and its presets zero0..zero3, zero3_offload): the DeepSpeed backend's typed group."""
     name: str = "deepspeed"
     zero_stage: int = 0
+    sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py); ZeRO partitions over every rank (dp × sp)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     overlap_comm: bool = False

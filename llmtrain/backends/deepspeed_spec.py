@@ -12,14 +12,15 @@ gradients) and, with parameter offload, the ZeRO-3 weight partitions in host mem
 from __future__ import annotations
 
 from llmtrain.backends.deepspeed_config import DeepSpeedConfig, deepspeed_problems
-from llmtrain.backends.spec import BackendSpec
+from llmtrain.backends.spec import BackendSpec, sp_of
 from llmtrain.metrics.cost import OFF_DEVICE, Collective, Layout, RoleParams, StateBytes, elem_bytes, grad_elem_bytes
+from llmtrain.parallel import ParallelDims
 
 ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default (numel); llmtrain does not set it
 
 
 def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
-    t, f, n, w, mixed = r.trainable, r.frozen, lay.dp, elem_bytes(precision), elem_bytes(precision) == 2
+    t, f, n, w, mixed = r.trainable, r.frozen, lay.shards, elem_bytes(precision), elem_bytes(precision) == 2
     if lay.stage == 0:
         return StateBytes(weights=w * (t + f), master=4 * t if mixed else 0.0, grads=w * t, optim=8 * t, gathered=0.0)
     whole_grads = lay.stage == 1 and (mixed or accum > 1)
@@ -35,7 +36,7 @@ def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: boo
 
 
 def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> list[Collective]:
-    t, f, n, w, k, g = role.trainable, role.frozen, lay.dp, elem_bytes(precision), accum, grad_elem_bytes(precision)
+    t, f, n, w, k, g = role.trainable, role.frozen, lay.shards, elem_bytes(precision), accum, grad_elem_bytes(precision)
     if lay.stage == 0:
         return [Collective("gradients", "all_reduce", g * t, n)]
     if lay.stage in (1, 2):
@@ -74,9 +75,35 @@ def gathers(lay: Layout, facts) -> tuple[int, float | None]:
 
 def layout(name: str, backend: DeepSpeedConfig, dims, hidden: int) -> Layout:
     threshold = backend.stage3_param_persistence_threshold
-    return Layout(name=name, backend=SPEC, stage=backend.zero_stage, dp=dims.dp_size, tp=dims.tp,
+    return Layout(name=name, backend=SPEC, stage=backend.zero_stage, dp=dims.dp_size, tp=dims.tp, sp=dims.sp,
                   offload_optimizer=backend.offload_optimizer.device, offload_param=backend.offload_param.device,
                   persistence_threshold=10 * hidden if threshold == "auto" else int(threshold))
+
+
+def degrees(backend: DeepSpeedConfig) -> dict[str, int]:
+    """Every rank in one ZeRO group; sp ranks share their rows (data parallel = world / sp)."""
+    return {"dp_replicate": 1, "dp_shard": -1, "sp": sp_of(backend), "tp": 1}
+
+
+def problems(backend: DeepSpeedConfig, world_size: int) -> list[str]:
+    sp = sp_of(backend)
+    if sp >= 1 and world_size % sp:  # DeepSpeed has no dp_shard / tp to change: say it in its own terms
+        return deepspeed_problems(backend, world_size) + [
+            f"backend.sp={sp} must divide the world size {world_size} (nnodes × nproc_per_node; data parallel = "
+            "world / sp); change backend.sp or the number of processes"]
+    return deepspeed_problems(backend, world_size) + ParallelDims.problems(1, -1, 1, world_size, sp)
+
+
+def model_problems(backend: DeepSpeedConfig, world_size: int, arch) -> list[str]:
+    from llmtrain.models.ulysses_checks import sp_model_problems
+
+    return sp_model_problems(sp_of(backend), 1, arch)
+
+
+def plan_problems(backend: DeepSpeedConfig, world_size: int, facts) -> list[str]:
+    from llmtrain.models.ulysses_checks import sp_facts_problems
+
+    return sp_facts_problems(sp_of(backend), 1, facts)
 
 
 def row_name(backend: DeepSpeedConfig) -> str:
@@ -87,6 +114,7 @@ def row_name(backend: DeepSpeedConfig) -> str:
 SPEC = BackendSpec(name="deepspeed", engine="llmtrain.backends.deepspeed:DeepSpeedBackend",
                    config_class=DeepSpeedConfig,
                    presets=("deepspeed", "zero0", "zero1", "zero2", "zero3", "zero3_offload"),
-                   compared=("zero1", "zero2", "zero3", "zero3_offload"), problems=deepspeed_problems,
+                   compared=("zero1", "zero2", "zero3", "zero3_offload"), degrees=degrees, problems=problems,
+                   model_problems=model_problems, plan_problems=plan_problems,
                    layout=layout, row_name=row_name, holdings=holdings, collectives=collectives, gathers=gathers,
                    frozen_in_compute_dtype=True)

@@ -5,6 +5,10 @@
                      TP comes first because it replaces Linear weights by DTensors; FSDP then shards
                      those DTensors once more along dim 0 on the dp mesh (2-D (dp, tp) DTensors). The
                      other way round FSDP would gather full weights that TP then slices again.
+  (sp)           — Ulysses sequence parallelism has no step here either: the model was built with the run's
+                     Ulysses attention (models/ulysses.py, an all-to-all around each attention), and apply_fsdp
+                     shards over dp_shard × sp flattened (the "fsdp" mesh): sp peers hold the same weights and
+                     their gradients are summed like dp peers' (each saw other tokens of the same rows).
   2. (activation checkpointing: no step here) — it must wrap a block's forward *inside* FSDP's hooks,
                      so the recompute in backward does not all-gather again; transformers' checkpointing
                      (model.activation_checkpointing, set by the loader before this) wraps `forward`,
@@ -201,6 +205,9 @@ class FSDP2Engine(ScaledOptimizerSteps):
         self.reshard_after_forward = reshard_after_forward
         data_mesh = dims.mesh("dp")  # ranks that read different data (tp peers share theirs)
         self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
+        self.sp_rank, self.sp_size, self.sp_group = dims.sequence_parallel()
+        if self.sp_size > 1:  # sp peers hold other tokens of the same rows: their sums add up too
+            self.dp_group = dims.loss_group()
         # GPU + bf16: FSDP keeps fp32 shards (the optimizer's master weights), all-gathers bf16 copies
         # for compute and reduces gradients in fp32. Elsewhere (CPU, fp16) plain autocast, as in DDP.
         self.mixed_precision = ctx.device.type == "cuda" and precision == "bf16"
@@ -250,7 +257,8 @@ class FSDP2Engine(ScaledOptimizerSteps):
         yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss * self.dp_size).backward()  # FSDP averages over dp: undo it (docstring)
+        # FSDP averages over its shard mesh, dp × sp ranks: undo it (docstring)
+        self.scaler.scale(loss * (self.dp_size * self.sp_size)).backward()
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrain.backends.spec import BackendSpec
+from llmtrain.backends.spec import BackendSpec, sp_of
 from llmtrain.config import BackendNode
 from llmtrain.metrics.cost import Collective, Layout, RoleParams, StateBytes
 from llmtrain.parallel import ParallelDims
@@ -20,10 +20,11 @@ from llmtrain.parallel import ParallelDims
 
 @dataclass
 class FSDP2Config(BackendNode):
-    """`backend=fsdp2` / `fsdp2_tp`: world = dp_replicate × dp_shard × tp; dp_shard -1 = infer."""
+    """`backend=fsdp2` / `fsdp2_tp`: world = dp_replicate × dp_shard × sp × tp; dp_shard -1 = infer."""
     name: str = "fsdp2"
     dp_replicate: int = 1
     dp_shard: int = -1
+    sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py)
     tp: int = 1
     reshard_after_forward: bool = True
     cpu_offload: bool = False
@@ -31,24 +32,29 @@ class FSDP2Config(BackendNode):
 
 
 def degrees(backend: Any) -> dict[str, int]:
-    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "tp": backend.tp}
+    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "sp": sp_of(backend), "tp": backend.tp}
 
 
 def problems(backend: Any, world_size: int) -> list[str]:
-    """world = dp_replicate × dp_shard × tp (dp_shard -1: inferred)."""
-    return ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size)
+    """world = dp_replicate × dp_shard × sp × tp (dp_shard -1: inferred)."""
+    return ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp_of(backend))
 
 
 def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
-    """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp."""
+    """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp; with sp > 1,
+    heads that split over sp × tp (models/ulysses_checks.py)."""
     from llmtrain.models.tp import tp_plan_problems
+    from llmtrain.models.ulysses_checks import sp_model_problems
 
-    if backend.tp <= 1 or problems(backend, world_size):
+    if problems(backend, world_size):
         return []
+    sp_found = sp_model_problems(sp_of(backend), backend.tp, arch)
+    if backend.tp <= 1 or sp_found:
+        return sp_found
     plan_problems = tp_plan_problems(arch, backend.tp)
     if plan_problems:
         return plan_problems
-    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size)
+    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp=sp_of(backend))
     heads = arch.num_attention_heads
     return dims.model_problems(model_type=arch.model_type, num_heads=heads,
                                num_kv_heads=getattr(arch, "num_key_value_heads", None) or heads,
@@ -57,8 +63,11 @@ def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
 
 def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     """model_problems on the planner's model facts (no transformers config at hand)."""
-    if backend.tp <= 1:
-        return []
+    from llmtrain.models.ulysses_checks import sp_facts_problems
+
+    sp_found = sp_facts_problems(sp_of(backend), backend.tp, facts)
+    if backend.tp <= 1 or sp_found:
+        return sp_found
     if not facts.tp_params:
         return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
     return ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size).model_problems(
@@ -69,7 +78,7 @@ def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
 def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
     """fp32 shards always; the MixedPrecisionPolicy (bf16 gathers) on a GPU with bf16 only (backends/fsdp2.py)."""
     split = 1 - r.tp_fraction + r.tp_fraction / lay.tp  # per-rank share after TP
-    t, f, n = r.trainable * split, r.frozen * split, lay.dp
+    t, f, n = r.trainable * split, r.frozen * split, lay.shards
     w = 2 if on_gpu and precision == "bf16" else 4
     unsharded = accum > 1 and t > 0  # no_sync: gradients and weights kept whole between micro-batches
     s = StateBytes(weights=4 * (t + f) / n, master=0.0, grads=4 * t if unsharded else 4 * t / n, optim=8 * t / n,
@@ -81,7 +90,7 @@ def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: boo
 
 def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> list[Collective]:
     """The root (embeddings, head) is not resharded after forward; gradients reduce on the last micro-batch."""
-    t, f, n, k = role.trainable, role.frozen, lay.dp, accum
+    t, f, n, k = role.trainable, role.frozen, lay.shards, accum
     split = 1 - role.tp_fraction + role.tp_fraction / lay.tp
     wg = 2 if on_gpu and precision == "bf16" else 4
     whole, blocks = wg * (t + f) * split, wg * (t + f) * split * role.block_fraction
@@ -102,7 +111,7 @@ def gathers(lay: Layout, facts: Any) -> tuple[int, float | None]:
 
 
 def layout(name: str, backend: FSDP2Config, dims: ParallelDims, hidden: int) -> Layout:
-    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp,
+    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp, sp=dims.sp,
                   offload_param="cpu" if backend.cpu_offload else "none",
                   reshard_after_forward=backend.reshard_after_forward)
 

@@ -19,9 +19,14 @@ def no_problems(*args: Any) -> list[str]:
     return []
 
 
+def sp_of(backend: Any) -> int:
+    """backend.sp (Ulysses sequence parallelism); 1 for a backend (or a test's namespace) without the field."""
+    return int(getattr(backend, "sp", 1) or 1)
+
+
 def flat_data_parallel(backend: Any) -> dict[str, int]:
     """Every rank its own data, nothing but data parallel: (dp_replicate 1, dp_shard the world, tp 1)."""
-    return {"dp_replicate": 1, "dp_shard": -1, "tp": 1}
+    return {"dp_replicate": 1, "dp_shard": -1, "sp": 1, "tp": 1}
 
 
 def no_gathers(layout: Any, facts: Any) -> tuple[int, float | None]:
@@ -66,7 +71,7 @@ class BackendSpec:
     def parallel_dims(self, backend: Any, world_size: int) -> ParallelDims:
         """The run's layout: ConfigError (every degree named) when the degrees do not fit the world."""
         degrees = self.degrees(backend)
-        return ParallelDims.build(*(degrees[name] for name in DIMS), world_size)
+        return ParallelDims.build(world_size=world_size, **{name: degrees.get(name, 1) for name in DIMS})
 
     def config_from_options(self, options: dict) -> Any:
         """The typed config from a plain dict (build_backend's options; missing fields take their defaults)."""

@@ -35,6 +35,9 @@ class Batch:
     num_targets: int = 0  # tokens that carry a loss after the one-token shift, counted on the host
     attention_kwargs: dict = field(default_factory=dict)  # extra model keyword arguments for the attention
     row_lengths: tuple[int, ...] = ()  # real (non-padding) tokens per row, on the host: what MoE routers count
+    # labels are already the targets (position t: label of token t + 1): a sequence shard's, shifted before the cut
+    # (data/sequence_shard.py)
+    shifted: bool = False
 
     @property
     def is_packed(self) -> bool:
@@ -70,6 +73,12 @@ class Batch:
             return replace(self, attention_mask=None, attention_kwargs=self._varlen_kwargs())
         mask = block_causal_mask(self.seq_lens, self.width, mask_dtype, self.input_ids.device)
         return replace(self, attention_mask=mask)
+
+    def targets(self) -> torch.Tensor:
+        """(B, T) the target of each position (label t + 1; IGNORE_INDEX at the row's end and where no loss)."""
+        if self.shifted:
+            return self.labels
+        return torch.nn.functional.pad(self.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
     def token_mask(self) -> torch.Tensor:
         """(B, T) float: 1 on real tokens, 0 on padding (whatever the attention's mask); the MoE router loss's mask."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "all_to_all")
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str):
@@ -45,6 +45,7 @@ COLLECTIVES = {
     "broadcast": ("broadcast", (0, "tensor"), (2, "group")),
     "all_gather": ("all_gather", (0, "tensor_list"), (2, "group")),
     "reduce_scatter": ("reduce_scatter", (1, "input_list"), (3, "group")),
+    "all_to_all_single": ("all_to_all", (1, "input"), (4, "group")),  # Ulysses (models/ulysses.py)
 }
 
 

@@ -26,10 +26,17 @@ class Layout:
     stage: int  # what is sharded: 0 nothing, 1 optimizer state, 2 + gradients, 3 + weights (FSDP2: 3)
     dp: int
     tp: int = 1
+    sp: int = 1  # sequence-parallel peers: share each row (s/sp tokens each), hold the same weights as dp peers
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (FSDP2 cpu_offload: cpu)
     persistence_threshold: int = 0  # ZeRO-3: parameters with numel <= this stay whole on every rank
     reshard_after_forward: bool = True  # FSDP2: blocks resharded after forward (gathered again for backward)
+
+
+    @property
+    def shards(self) -> int:
+        """Ranks a ZeRO / FSDP backend shards over and reduces gradients across: dp × sp."""
+        return self.dp * self.sp
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,22 @@ def communication(role: RoleParams, layout: Layout, precision: str, *, accum: in
         out.append(Collective("TP activations", "all_reduce", elem_bytes(precision) * tokens_per_micro * hidden,
                               layout.tp, per_block * layers * accum, overlapped=False))
     return out
+
+
+def ulysses_all_to_all(layout: Layout, precision: str, *, tokens_per_micro: int, hidden: int, kv_hidden: int,
+                       kv_heads: int, layers: int, accum: int, trainable: bool,
+                       checkpointing: bool) -> list[Collective]:
+    """Ulysses (models/ulysses.py): 4 all-to-alls per layer and forward (q, k, v in; the output back), of this rank's
+    s/sp tokens: q and the output h/tp wide, k and v kv_hidden/tp (kv-heads fewer than sp are repeated up to sp);
+    the same again in backward, and in the recompute of a checkpointed block."""
+    if layout.sp <= 1:
+        return []
+    head_dim = kv_hidden // max(kv_heads, 1)
+    kv_width = max(kv_heads // layout.tp, layout.sp) * head_dim
+    payload = elem_bytes(precision) * tokens_per_micro * (2 * hidden / layout.tp + 2 * kv_width)
+    passes = 1 + (1 if trainable else 0) + (1 if trainable and checkpointing else 0)
+    return [Collective("SP all-to-all (q, k, v, output)", "all_to_all", payload, layout.sp, passes * layers * accum,
+                       overlapped=False)]
 
 
 def step_seconds(hardware_flops: float, collectives: list[Collective], *, peak_flops: float, mfu: float,

@@ -136,8 +136,9 @@ class Updater:
                                                        device=self.device), engine.dp_group).item())
         inverse = 1.0 / max(global_count, 1)  # nothing to learn from: loss 0, gradient 0, never NaN
         # A mean term (MoE aux loss, computed per forward as transformers does) is averaged over every micro-batch of
-        # every rank: each weighs 1 / (micro-batches × dp) (backends sum gradients over ranks, as for the loss sum).
-        share = 1.0 / (len(micro_batches) * engine.dp_size)
+        # every rank: each weighs 1 / (micro-batches × dp × sp) (backends sum gradients over ranks, as for the loss
+        # sum; an sp rank's forward sees its shard of the rows).
+        share = 1.0 / (len(micro_batches) * engine.dp_size * getattr(engine, "sp_size", 1))
         totals = torch.zeros(2 + num_stats, device=self.device)  # loss sum, mean-term sum, the statistics' sums
         for i, batch in enumerate(micro_batches):
             with engine.no_sync(is_last_micro_batch=i == len(micro_batches) - 1):

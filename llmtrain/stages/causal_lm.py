@@ -12,8 +12,8 @@ from functools import partial
 import torch
 
 from llmtrain.data.collate import Batch, collate
-from llmtrain.losses.lm import count_target_tokens
-from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood, shifted_targets
+from llmtrain.losses.lm import IGNORE_INDEX
+from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.head import lm_forward, routed_update, target_logps, with_router
 from llmtrain.stages.spec import SFT_FORMATS, StageSpec
@@ -31,7 +31,7 @@ class CausalLMStage(Stage):
     def micro_batch_loss(module: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, ...]:
         """Summed loss over the micro-batch's target tokens (the updater normalises it); no statistics. An MoE model
         adds its routers' coef × aux loss as the mean term, and (aux, busiest expert's load) as statistics."""
-        query = HeadQuery(shifted_targets(batch.labels), token_loss=negative_log_likelihood)
+        query = HeadQuery(batch.targets(), token_loss=negative_log_likelihood)
         answer, aux_term, router_stats = lm_forward(module, batch, query, route=True)
         loss_sum = answer.loss_sum  # −Σ log p over the target tokens: the head's chunks, never the (B, T, V) logits
         return with_router(loss_sum, torch.zeros(0, device=loss_sum.device), aux_term, router_stats)
@@ -49,7 +49,7 @@ class CausalLMStage(Stage):
         for batch in batches:
             with engine.autocast():
                 answer, _, _ = target_logps(engine.module, batch, accuracy=True)  # (B, T) each
-            for i, value in enumerate((-answer.logps.double().sum(), count_target_tokens(batch.labels),
+            for i, value in enumerate((-answer.logps.double().sum(), (batch.targets() != IGNORE_INDEX).sum(),
                                        answer.correct.sum())):
                 sums[i] += value.double()
         loss_sum, targets, correct = reduce_sums(sums, engine)
@@ -69,8 +69,8 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> Caus
 STAGE_SPECS = (
     StageSpec(name="pretrain", build=build, roles=policy_role, data_formats=("text",),
               data_hint="trains on every token: data.format={format} must be text (use stage=sft for prompt/response "
-                        "data)", token_losses=True),
+                        "data)", token_losses=True, sequence_parallel=True),
     StageSpec(name="sft", build=build, roles=policy_role, data_formats=SFT_FORMATS,
               data_hint=f"trains on responses only: data.format={{format}} must be one of {', '.join(SFT_FORMATS)} "
-                        "(use stage=pretrain for plain text)", token_losses=True),
+                        "(use stage=pretrain for plain text)", token_losses=True, sequence_parallel=True),
 )

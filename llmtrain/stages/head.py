@@ -7,7 +7,7 @@ import torch
 
 from llmtrain.data.collate import Batch
 from llmtrain.losses.dpo import sequence_sums
-from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking, shifted_targets
+from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking
 from llmtrain.models.moe import ROUTER_STATS, routed_forward, router_metrics, router_of
 
 
@@ -29,7 +29,7 @@ def lm_forward(module: torch.nn.Module, batch: Batch, query: HeadQuery, route: b
 
 def target_logps(module: torch.nn.Module, batch: Batch, route: bool = False, accuracy: bool = False):
     """(answer with (B, T) log p of each target token (position t: label t + 1; 0 elsewhere), term, statistics)."""
-    return lm_forward(module, batch, HeadQuery(shifted_targets(batch.labels), accuracy=accuracy), route)
+    return lm_forward(module, batch, HeadQuery(batch.targets(), accuracy=accuracy), route)
 
 
 def pair_logps(module: torch.nn.Module, batch, average: bool, route: bool = False):
@@ -74,5 +74,6 @@ def routed_update(updater, engine, micro_batches: list, micro_loss, count: float
     moe = router_of(engine.module) is not None
     result = updater.update(engine, micro_batches, micro_loss, count,
                             num_stats=num_stats + (len(ROUTER_STATS) if moe else 0))
-    routed = router_metrics(result.sums[num_stats:], len(micro_batches), engine.dp_size) if moe else {}
+    ranks = engine.dp_size * getattr(engine, "sp_size", 1)  # sp peers each route their shard of the rows
+    routed = router_metrics(result.sums[num_stats:], len(micro_batches), ranks) if moe else {}
     return result, routed

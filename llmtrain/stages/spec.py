@@ -72,6 +72,7 @@ class StageSpec:
     token_losses: bool = False  # finished_run: per-token losses of the held-out samples
     pair_scores: str | None = None  # finished_run: "scalar" (a reward model's score) or "implicit"
     implicit_reward: Callable[[Any], ImplicitReward] | None = None
+    sequence_parallel: bool = False  # runs with backend.sp > 1: its losses are sums over target tokens of shards
 
     @property
     def pairs(self) -> bool:

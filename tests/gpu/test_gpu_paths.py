@@ -6,7 +6,9 @@ FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 engine with fp32 gradient accumul
 rows, fp32 with flash-attn installed, DeepSpeed's bf16 export of the fp32 masters, and the frozen DPO
 reference in bf16 (step 1's loss must still be ln 2 exactly: the reference computes what the policy does), and PPO's
 bf16 rollouts (left-padded prompts under flash-attention/sdpa, ZeRO-3 gathered and FSDP2 unsharded generation).
-Multi-rank NCCL parity needs more than one GPU and stays on paper here.
+Multi-rank NCCL parity needs more than one GPU and stays on paper here. So does Ulysses sequence parallelism
+(backend.sp > 1): one GPU cannot run it (sp ranks share each row); its exactness is checked on CPU ranks with gloo
+(tests/dist/test_sequence_parallel.py), its NCCL all-to-all is not.
 """
 
 from __future__ import annotations

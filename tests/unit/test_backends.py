@@ -69,9 +69,11 @@ def test_capabilities_and_layouts():
     (["backend=zero2", "backend.tp=2"], "backend.tp is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp); "
                                         "backend deepspeed has: name, zero_stage,"),
     (["backend.pp=2"], "config: backend.pp: no backend has pipeline stages yet (the layout's dimensions: "
-                       "dp_replicate × dp_shard × tp); backend ddp has: name"),
+                       "dp_replicate × dp_shard × sp × tp); backend ddp has: name"),
+    (["backend.sp=2"], "config: backend.sp is a field of the deepspeed backend (backend=deepspeed/zero0/zero1/zero2/"
+                       "zero3/zero3_offload) and the fsdp2 backend (backend=fsdp2/fsdp2_tp); backend ddp has: name"),
     (["backend=fsdp2", "backend.bogus=1"], "backend.bogus is not a field of any backend (ddp, deepspeed, fsdp2); "
-                                           "backend fsdp2 has: name, dp_replicate, dp_shard, tp,"),
+                                           "backend fsdp2 has: name, dp_replicate, dp_shard, sp, tp,"),
 ])
 def test_a_key_of_another_backend_is_named_with_its_backend(overrides, needle):
     with pytest.raises(ConfigError) as error:
@@ -106,7 +108,7 @@ def test_spec_of_a_plain_node_is_the_one_it_names():
 def test_parallel_dims_hands_out_meshes_by_name_only_with_a_device():
     flat = ParallelDims.build(1, -1, 1, 4)
     assert flat.data_parallel(rank=3) == (3, 4, None)  # every rank its own data: the world, no mesh built
-    assert flat.degrees == {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
+    assert flat.degrees == {"dp_replicate": 1, "dp_shard": 4, "sp": 1, "tp": 1}
     with pytest.raises(ValueError, match="no device type"):
         ParallelDims.build(1, -1, 2, 4).mesh("tp")
     assert ParallelDims.build(1, -1, 2, 4).on("cpu") == ParallelDims.build(1, -1, 2, 4, "cpu")
