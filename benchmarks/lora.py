@@ -56,8 +56,9 @@ LORA_FULL = ("llmtrain lora", "llmtrain full")
 
 def pretrain_tiny_base() -> str:
     from llmtrain.bases import resolve_base
+    from llmtrain.compose import compose_config
 
-    return resolve_base("pretrain_tiny")
+    return resolve_base("pretrain_tiny", compose_config)
 
 
 # ---- TRL worker -----------------------------------------------------------------------------------------------

@@ -59,8 +59,9 @@ TRL_VARIANTS = {"default": {"use_cache": True}, "checkpoint_cache": None}
 
 def sft_tiny_base() -> str:
     from llmtrain.bases import resolve_base
+    from llmtrain.compose import compose_config
 
-    return resolve_base("sft_tiny")
+    return resolve_base("sft_tiny", compose_config)
 
 
 def write_prompts(work: Path, count: int) -> Path:
