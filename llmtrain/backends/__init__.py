@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from llmtrain.backends import ddp_spec, deepspeed_spec, fsdp2_spec
 from llmtrain.backends.spec import BackendSpec, flat_data_parallel, no_problems
-from llmtrain.parallel import DIMS, PLANNED_DIMS, DistContext, ParallelDims
+from llmtrain.parallel import DIMS, PLANNED_DIMS, PP_DIM, DistContext, ParallelDims
 
 BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (ddp_spec.SPEC, deepspeed_spec.SPEC, fsdp2_spec.SPEC)}
 
@@ -94,10 +94,10 @@ def data_parallel_size(backend: Any, world_size: int) -> int:
     """Ranks that see different data (tensor-parallel peers share theirs), from the run's ParallelDims; for degrees
     that do not fit the world (reported by the backend check) world // tp."""
     degrees = parallel_degrees(backend)
-    ordered = [degrees[name] for name in DIMS]
-    if ParallelDims.problems(*ordered, world_size):
-        return max(1, world_size // max(1, degrees["tp"]))
-    return ParallelDims.build(*ordered, world_size).dp_size
+    ordered, pp = [degrees[name] for name in DIMS], degrees.get(PP_DIM, 1)
+    if ParallelDims.problems(*ordered, world_size, pp):
+        return max(1, world_size // max(1, degrees["tp"] * pp))
+    return ParallelDims.build(*ordered, world_size, pp=pp).dp_size
 
 
 def backends_that(capability: str) -> tuple[str, ...]:

@@ -28,22 +28,42 @@ class FSDP2Config(BackendNode):
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     compile: bool = False
+    pp: int = 1  # pipeline stages (backends/pipeline.py); world = pp × dp_replicate × dp_shard × tp
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_virtual_stages: int = 1  # stages per rank (interleaved_1f1b: >= 2)
+
+
+def _pp(backend: Any) -> int:
+    return getattr(backend, "pp", 1)  # a plain namespace (tests, older callers) has no pipeline: 1
 
 
 def degrees(backend: Any) -> dict[str, int]:
-    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "tp": backend.tp}
+    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "tp": backend.tp, "pp": _pp(backend)}
 
 
 def problems(backend: Any, world_size: int) -> list[str]:
-    """world = dp_replicate × dp_shard × tp (dp_shard -1: inferred)."""
-    return ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size)
+    """world = pp × dp_replicate × dp_shard × tp (dp_shard -1: inferred); the pipeline's own fields."""
+    from llmtrain.backends.pipeline_checks import schedule_problems, unsupported_settings
+
+    found = ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, _pp(backend))
+    if _pp(backend) > 1:
+        found += schedule_problems(backend) + unsupported_settings(backend)
+    return found
 
 
 def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
-    """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp."""
+    """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp. With pp > 1:
+    enough blocks for the stages, untied embeddings, no experts."""
+    from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
     from llmtrain.models.tp import tp_plan_problems
 
-    if backend.tp <= 1 or problems(backend, world_size):
+    if problems(backend, world_size):
+        return []
+    if _pp(backend) > 1:
+        experts = getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0
+        return pipeline_model_problems(backend, arch.num_hidden_layers, bool(getattr(arch, "tie_word_embeddings",
+                                                                                      False)), experts, arch.model_type)
+    if backend.tp <= 1:
         return []
     plan_problems = tp_plan_problems(arch, backend.tp)
     if plan_problems:
@@ -57,6 +77,10 @@ def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
 
 def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     """model_problems on the planner's model facts (no transformers config at hand)."""
+    from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
+
+    if _pp(backend) > 1:
+        return pipeline_model_problems(backend, facts.layers, facts.head == 0, 0, facts.model_type)
     if backend.tp <= 1:
         return []
     if not facts.tp_params:

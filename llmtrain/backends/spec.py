@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llmtrain.parallel import DIMS, ParallelDims
+from llmtrain.parallel import DIMS, PP_DIM, ParallelDims
 
 
 def no_problems(*args: Any) -> list[str]:
@@ -66,7 +66,7 @@ class BackendSpec:
     def parallel_dims(self, backend: Any, world_size: int) -> ParallelDims:
         """The run's layout: ConfigError (every degree named) when the degrees do not fit the world."""
         degrees = self.degrees(backend)
-        return ParallelDims.build(*(degrees[name] for name in DIMS), world_size)
+        return ParallelDims.build(*(degrees[name] for name in DIMS), world_size, pp=degrees.get(PP_DIM, 1))
 
     def config_from_options(self, options: dict) -> Any:
         """The typed config from a plain dict (build_backend's options; missing fields take their defaults)."""
