@@ -79,8 +79,8 @@ def run_problems(cfg: Any) -> list[str]:
     if schedule is not None and schedule[1] and m % pp:
         problems.append(f"trainer.grad_accum_steps={m} must be a multiple of backend.pp={pp} for "
                         f"{backend.pp_schedule} (its rounds hold pp micro-batches)")
-    if cfg.peft.method != "none":
-        problems.append(f"peft={cfg.peft.method} with backend.pp={pp}: adapters over pipeline stages are not wired up "
+    if cfg.peft.name != "none":
+        problems.append(f"peft={cfg.peft.name} with backend.pp={pp}: adapters over pipeline stages are not wired up "
                         "yet; use peft=none or backend.pp=1")
     if cfg.precision == "fp16":
         problems.append(f"precision=fp16 with backend.pp={pp}: the loss scaler is not applied inside the pipeline's "

@@ -1,0 +1,154 @@
+"""The FSDP2 engine with pipeline stages (backend.pp > 1): dp × pp, FSDP2 per stage on the dp mesh.
+
+Order (ARCHITECTURE.md: tp → sp → ac → compile → fsdp → pp): the split into stages comes first here because every
+stage is its own FSDP root (blocks, then the stage: one all-gather per block, the stage's embedding or norm + head in
+the root's group); the stages then go to torch's PipelineStage, which drives FSDP's gradient reduction itself (no
+sync on every micro-batch's backward, one reduce-scatter per stage after the last).
+
+Build: every rank builds the whole model (as DDP does, the same seed, so the weights are DDP's bit for bit) and keeps
+copies of its own stages' modules only; the whole model is then dropped. (Rank-0-only loading with meta elsewhere,
+as fsdp2 does without pp, is left for later: each rank briefly holds the whole model.)
+
+The step (`run_schedule`, called by stages/base.Updater for an engine with `pipelined`): one schedule step over the
+M micro-batches; the last stage's per-micro-batch sums are summed over the pp ranks, so every rank returns them.
+The gradient norm is the whole model's: squared norms summed over the pp ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups, save_hf
+from llmtrain.backends.fsdp2 import FSDP2Engine, _by_mesh, split_groups_by_mesh, total_grad_norm
+from llmtrain.backends.pipeline import RankModel, Shapes, StepInputs, build_parts, build_schedule, widen
+from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+
+class PipelineEngine(FSDP2Engine):
+    pipelined = True  # stages/base.Updater: the schedule runs the micro-batches (run_schedule)
+
+    def __init__(self, model: torch.nn.Module, optim: OptimizerSpec | None, ctx: DistContext, precision: str,
+                 dims: ParallelDims, *, schedule: str, virtual_stages: int, microbatches: int, seq_len: int,
+                 micro_batch_size: int, reshard_after_forward: bool = True):
+        if optim is None:
+            raise ValueError("backend.pp > 1 pipelines trainable roles only (no frozen role is pipelined yet)")
+        self.ctx, self.dims, self.optim_spec = ctx, dims, optim
+        self.reshard_after_forward = reshard_after_forward
+        data_mesh = dims.mesh("dp")
+        self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
+        pp_mesh = dims.mesh("pp")
+        self.pp_rank, self.pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+        self.mixed_precision = ctx.device.type == "cuda" and precision == "bf16"
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.mixed_precision else MixedPrecisionPolicy()
+        self.compute_dtype = None if self.mixed_precision else autocast_dtype(precision)
+        self.mask_dtype = autocast_dtype(precision) or torch.float32  # run.batch_preparer's
+        self.attn = model.config._attn_implementation
+        self.inputs = StepInputs()
+        parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
+                            log_split=ctx.is_main)
+        del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
+        for part in parts:
+            part.to(ctx.device)
+            for i in part.blocks:
+                fully_shard(part.model.layers[i], mesh=dims.mesh("fsdp"), reshard_after_forward=reshard_after_forward,
+                            mp_policy=mp_policy)
+            fully_shard(part, mesh=dims.mesh("fsdp"), reshard_after_forward=False, mp_policy=mp_policy)
+        self.parts = parts
+        self.model = self.module = RankModel(parts, parts[0].model.config)
+        self.shapes = Shapes(micro_batch_size, seq_len, parts[0].model.config.hidden_size,
+                             torch.bfloat16 if self.mixed_precision else torch.float32)
+        self.schedule = build_schedule(parts, schedule, microbatches, ctx.device, self.pp_group, self._loss,
+                                       self.shapes)
+        self.microbatches, self.loss_scale = microbatches, 1.0
+        groups = split_groups_by_mesh(param_groups(self.model, optim.weight_decay))
+        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           fused=ctx.device.type == "cuda" or None)
+        self.scheduler = build_scheduler(self.optimizer, optim)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)  # fp16 is refused under pp
+
+    # ---- the step --------------------------------------------------------------------------------------------------
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's summed loss of one micro-batch (1,) as this rank's share of the global mean; × dp because
+        FSDP averages gradients over the dp ranks (backends/fsdp2.py)."""
+        return output.sum() * self.loss_scale
+
+    def run_schedule(self, micro_batches: list, micro_loss, inverse: float, share: float, size: int) -> torch.Tensor:
+        """One schedule step over the micro-batches -> (size,) their summed (loss, mean term, *stats), every rank."""
+        if len(micro_batches) != self.microbatches:
+            raise ValueError(f"the pipeline was built for {self.microbatches} micro-batches (trainer.grad_accum_steps)"
+                             f", this step has {len(micro_batches)}")
+        width = max(batch.width for batch in micro_batches)
+        if width > self.shapes.width or any(b.input_ids.shape[0] != self.shapes.rows for b in micro_batches):
+            shapes = [tuple(b.input_ids.shape) for b in micro_batches]
+            raise ValueError(f"micro-batches of {shapes} tokens do not fit the pipeline's buffers "
+                             f"({self.shapes.rows}, {self.shapes.width})")
+        self.inputs.micro_batches = [widen(b, self.shapes.width, self.attn, self.mask_dtype) for b in micro_batches]
+        self.inputs.micro_loss, self.inputs.sums = micro_loss, []
+        self.loss_scale = inverse * self.dp_size
+        rows = self.inputs.micro_batches[0].input_ids.shape[0]
+        ids = torch.cat([b.input_ids for b in self.inputs.micro_batches])  # (M·b, W)
+        index = torch.arange(len(micro_batches), device=ids.device).repeat_interleave(rows)  # (M·b,)
+        targets = index.clone()  # the last stage reads its labels from its own copy of the batch
+        with self.autocast():
+            if any(part.is_first for part in self.parts):
+                self.schedule.step(ids, index, target=targets, return_outputs=False)
+            else:
+                self.schedule.step(target=targets, return_outputs=False)
+        totals = torch.zeros(size, device=self.ctx.device)
+        for sums in self.inputs.sums:
+            totals += sums
+        self.inputs.micro_batches, self.inputs.sums = [], []
+        return all_reduce_sum(totals, self.pp_group)  # only the last stage's rank holds them
+
+    @contextlib.contextmanager
+    def no_sync(self, is_last_micro_batch: bool):
+        raise RuntimeError("backend.pp > 1: the pipeline schedule runs the micro-batches (run_schedule)")
+        yield  # pragma: no cover
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError("backend.pp > 1: the pipeline schedule runs backward (run_schedule)")
+
+    def clip_or_fused_step(self) -> torch.Tensor:
+        """The whole model's gradient norm: this rank's stages' (dp shards reduced), squared, summed over pp."""
+        grads = self._grads()
+        self._measure_after_step(grads)
+        local = total_grad_norm(grads) if grads else torch.zeros((), device=self.ctx.device)
+        norm = all_reduce_sum(local.double().pow(2).reshape(1), self.pp_group).sqrt()[0].to(local.dtype)
+        max_norm = self.optim_spec.max_grad_norm
+        if max_norm > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            for group in _by_mesh(params).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        return norm
+
+    @contextlib.contextmanager
+    def generation_context(self):
+        raise RuntimeError("backend.pp > 1: no generation through the pipeline (PPO/GRPO refuse pp)")
+        yield  # pragma: no cover
+
+    # ---- export: every stage's full tensors, gathered to rank 0 -------------------------------------------------
+    def export_hf(self, directory: Path) -> None:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))  # over dp
+        mine = {k: v.detach().cpu() for k, v in state.items()} if self.dp_rank == 0 else {}
+        gathered = [None] * dist.get_world_size() if self.ctx.is_main else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.ctx.is_main:
+            whole = {k: v for part in gathered for k, v in part.items()}
+            save_hf(self._whole_model(), whole, directory)
+
+    def _whole_model(self) -> torch.nn.Module:
+        """An empty model of the whole architecture (meta): save_pretrained writes the gathered tensors with it."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.model.config)
