@@ -45,7 +45,7 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += stage_problems(cfg, dp)
     problems += peft_problems(cfg.peft, cfg.backend, reference_off_adapters(cfg))
     problems += attention_problems(cfg)
-    problems += pipeline_problems(cfg)
+    problems += pipeline_problems(cfg, stage_spec(cfg.stage.name))
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
 
 

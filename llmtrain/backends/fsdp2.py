@@ -354,24 +354,13 @@ class FSDP2Backend:
         self.dims = dims_for("fsdp2", options, ctx)  # the run's one layout: every role's engine reads its meshes
         self.dims.mesh("world")  # built now, once (a collective on every rank), not inside the first role's wrap
         self.settings = {k: options[k] for k in ("reshard_after_forward", "cpu_offload", "compile") if k in options}
-        run = options.get("run", {})
-        self.pipeline = {"schedule": options.get("pp_schedule", "1f1b"),
-                         "virtual_stages": options.get("pp_virtual_stages", 1),
-                         "microbatches": run.get("grad_accum_steps", 1), "seq_len": run.get("max_seq_len", 2048),
-                         "micro_batch_size": run.get("micro_batch_size", 1)}
 
     def model_init_context(self):
         """Rank 0 builds the whole fp32 model; the others build it on the meta device (no storage, no
-        weights read) and receive their shards from rank 0 in wrap() (see the module docstring). With pipeline
-        stages every rank builds it (backends/pipeline_engine.py)."""
-        return contextlib.nullcontext() if self.ctx.is_main or self.dims.pp > 1 else torch.device("meta")
+        weights read) and receive their shards from rank 0 in wrap() (see the module docstring)."""
+        return contextlib.nullcontext() if self.ctx.is_main else torch.device("meta")
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
-        if self.dims.pp > 1:  # pp last in the fixed order (tp → ac → compile → fsdp → pp): see pipeline_engine.py
-            from llmtrain.backends.pipeline_engine import PipelineEngine
-
-            return PipelineEngine(model, optim, self.ctx, self.precision, self.dims, **self.pipeline,
-                                  reshard_after_forward=self.settings.get("reshard_after_forward", True))
         return FSDP2Engine(model, optim, self.ctx, self.precision, self.dims, **self.settings)
 
     def gathered_for_init(self, params):

@@ -131,7 +131,8 @@ def layout(name: str, backend: FSDP2Config, dims: ParallelDims, hidden: int) -> 
                   reshard_after_forward=backend.reshard_after_forward)
 
 
-SPEC = BackendSpec(name="fsdp2", engine="llmtrain.backends.fsdp2:FSDP2Backend", config_class=FSDP2Config,
+SPEC = BackendSpec(name="fsdp2", engine="llmtrain.backends.pipeline_engine:FSDP2PipelineBackend",
+                   config_class=FSDP2Config,
                    presets=("fsdp2", "fsdp2_tp"), compared=("fsdp2", "fsdp2_tp"), degrees=degrees,
                    problems=problems, model_problems=model_problems, plan_problems=plan_problems, layout=layout,
                    row_name=lambda backend: backend.name + ("_tp" if backend.tp > 1 else ""), holdings=holdings,

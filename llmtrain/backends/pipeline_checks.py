@@ -19,7 +19,6 @@ SCHEDULES = {
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", True, True),
 }
 LATER_SCHEDULES = {"zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
-PIPELINED_STAGES = ("pretrain", "sft")
 
 
 def schedule_problems(backend: Any) -> list[str]:
@@ -54,20 +53,21 @@ def unsupported_settings(backend: Any) -> list[str]:
     return bad
 
 
-def run_problems(cfg: Any) -> list[str]:
-    """What the rest of the config must be for backend.pp > 1 (validation.py; every rank, nothing loaded)."""
+def run_problems(cfg: Any, stage: Any) -> list[str]:
+    """What the rest of the config must be for backend.pp > 1 (validation.py; every rank, nothing loaded). stage: the
+    run's stages/spec.StageSpec (`pipelines`: it runs through a pipeline; `prompts`: it generates)."""
     backend = cfg.backend
     pp = getattr(backend, "pp", 1)
     if pp <= 1:
         return []
-    problems, stage = [], cfg.stage.name
-    if stage in ("ppo", "grpo"):
-        problems.append(f"stage={stage} with backend.pp={pp}: a rollout generates token by token, and a pipeline "
+    problems = []
+    if stage.prompts:
+        problems.append(f"stage={stage.name} with backend.pp={pp}: a rollout generates token by token, and a pipeline "
                         "would pass every new token through all its stages; use backend.pp=1 (fsdp2 with "
                         "backend.tp for a model that does not fit one rank)")
-    elif stage not in PIPELINED_STAGES:
-        problems.append(f"stage={stage} with backend.pp={pp}: only {' and '.join(PIPELINED_STAGES)} run through a "
-                        f"pipeline yet (pair losses need both sequences of a pair on the last stage); set "
+    elif not stage.pipelines:
+        problems.append(f"stage={stage.name} with backend.pp={pp}: only token-loss stages (pretrain, SFT) run "
+                        "through a pipeline yet (pair losses need both sequences of a pair on the last stage); set "
                         "backend.pp=1")
     schedule = SCHEDULES.get(backend.pp_schedule)
     m = cfg.trainer.grad_accum_steps

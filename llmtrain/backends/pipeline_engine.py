@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups, save_hf
-from llmtrain.backends.fsdp2 import FSDP2Engine, _by_mesh, split_groups_by_mesh, total_grad_norm
+from llmtrain.backends.fsdp2 import FSDP2Backend, FSDP2Engine, _by_mesh, split_groups_by_mesh, total_grad_norm
 from llmtrain.backends.pipeline import RankModel, Shapes, StepInputs, build_parts, build_schedule, widen
 from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 
@@ -152,3 +152,27 @@ class PipelineEngine(FSDP2Engine):
 
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(self.model.config)
+
+
+class FSDP2PipelineBackend(FSDP2Backend):
+    """The fsdp2 backend (its registered engine), with pipeline stages when backend.pp > 1: every rank then builds the
+    whole model (no meta ranks) and wraps it into a PipelineEngine; with pp = 1 it is FSDP2Backend exactly."""
+
+    def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
+        super().__init__(ctx, precision, options)
+        options = options or {}
+        run = options.get("run", {})
+        self.pipeline = {"schedule": options.get("pp_schedule", "1f1b"),
+                         "virtual_stages": options.get("pp_virtual_stages", 1),
+                         "microbatches": run.get("grad_accum_steps", 1), "seq_len": run.get("max_seq_len", 2048),
+                         "micro_batch_size": run.get("micro_batch_size", 1)}
+
+    def model_init_context(self):
+        return contextlib.nullcontext() if self.dims.pp > 1 else super().model_init_context()
+
+    def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
+        if self.dims.pp == 1:
+            return super().wrap(model, optim)
+        # pp last in the fixed order (tp → sp → ac → compile → fsdp → pp): see the module docstring
+        return PipelineEngine(model, optim, self.ctx, self.precision, self.dims, **self.pipeline,
+                              reshard_after_forward=self.settings.get("reshard_after_forward", True))

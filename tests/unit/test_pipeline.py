@@ -127,8 +127,8 @@ def test_pipeline_refusals_name_the_field_and_the_fix(overrides, world, needle):
 
 
 @pytest.mark.parametrize("recipe,needle", [
-    ("dpo_tiny", "stage=dpo with backend.pp=2: only pretrain and sft"),
-    ("rm_tiny", "stage=reward with backend.pp=2: only pretrain and sft"),
+    ("dpo_tiny", "stage=dpo with backend.pp=2: only token-loss stages (pretrain, SFT)"),
+    ("rm_tiny", "stage=reward with backend.pp=2: only token-loss stages (pretrain, SFT)"),
 ])
 def test_pair_stages_are_refused(recipe, needle):
     assert needle in problems(*PP2, recipe=recipe)
