@@ -59,6 +59,7 @@ class StepInputs:
     micro_batches: list = field(default_factory=list)  # the step's Batches, padded to one width
     micro_loss: object = None  # the stage's MicroLoss: (module, batch) -> (loss_sum, stats, *mean term)
     sums: list = field(default_factory=list)  # last stage: per micro-batch (loss sum, mean term, *stats), detached
+    forward_only: bool = False  # evaluation: micro_loss is (module, batch) -> (K,) sums, no graph
 
 
 class LastStageView(nn.Module):
@@ -100,6 +101,9 @@ class StageModule(nn.Module):
     def _loss(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         self.view.hidden = hidden
         try:
+            if self.inputs.forward_only:
+                self.inputs.sums.append(self.inputs.micro_loss(self.view, batch).double())
+                return hidden.new_zeros(1)
             loss_sum, stats, *term = self.inputs.micro_loss(self.view, batch)
         finally:
             self.view.hidden = None
@@ -128,19 +132,21 @@ class RankModel(nn.Module):
                 self.model.norm, self.lm_head = part.model.norm, part.lm_head
 
 
-def widen(batch: Batch, width: int, attn_implementation: str, mask_dtype: torch.dtype) -> Batch:
-    """The batch right-padded to `width` (ids 0, labels ignored, padding outside every sample), with the attention
-    inputs rebuilt for that width from its sample lengths."""
-    pad = width - batch.width
-    if pad == 0:
+def widen(batch: Batch, rows: int, width: int, attn_implementation: str, mask_dtype: torch.dtype) -> Batch:
+    """The batch padded to (rows, width): ids 0, labels ignored, padding outside every sample; added rows hold one
+    token each (no row is fully masked); the attention inputs rebuilt for that shape from the sample lengths."""
+    extra, pad = rows - batch.input_ids.shape[0], width - batch.width
+    if extra == 0 and pad == 0:
         return batch
     device = batch.input_ids.device
-    lengths = torch.tensor(batch.row_lengths, device=device)  # (B,)
-    mask = None if batch.is_packed else (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-    raw = replace(batch, input_ids=F.pad(batch.input_ids, (0, pad)),
-                  labels=F.pad(batch.labels, (0, pad), value=IGNORE_INDEX), attention_mask=mask,
-                  position_ids=None if batch.position_ids is None else F.pad(batch.position_ids, (0, pad)),
-                  attention_kwargs={})
+    lengths = (*batch.row_lengths, *(1,) * extra)
+    mask = None if batch.is_packed else \
+        (torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]).long()  # (b, W)
+    raw = replace(batch, input_ids=F.pad(batch.input_ids, (0, pad, 0, extra)),
+                  labels=F.pad(batch.labels, (0, pad, 0, extra), value=IGNORE_INDEX), attention_mask=mask,
+                  position_ids=None if batch.position_ids is None else F.pad(batch.position_ids, (0, pad, 0, extra)),
+                  seq_lens=None if batch.seq_lens is None else (*batch.seq_lens, *((1,),) * extra),
+                  row_lengths=lengths, attention_kwargs={})
     return raw.for_attention(attn_implementation, mask_dtype)
 
 
@@ -196,6 +202,9 @@ def build_schedule(parts: list[StageModule], schedule: str, microbatches: int, d
     stages = [pipelining.PipelineStage(part, part.index, num_stages, device, group=group,
                                        input_args=shapes.inputs(part.is_first),
                                        output_args=shapes.outputs(part.is_last)) for part in parts]
+    if loss_fn is None:  # forward only (evaluation): GPipe's order, one stage or several per rank
+        return (pipelining.ScheduleGPipe(stages[0], n_microbatches=microbatches) if len(stages) == 1 else
+                pipelining.ScheduleLoopedBFS(stages, n_microbatches=microbatches))
     cls = getattr(pipelining, SCHEDULES[schedule][0])
     single = not SCHEDULES[schedule][1]
     return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

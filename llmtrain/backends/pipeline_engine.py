@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,6 +71,7 @@ class PipelineEngine(FSDP2Engine):
         self.schedule = build_schedule(parts, schedule, microbatches, ctx.device, self.pp_group, self._loss,
                                        self.shapes)
         self.microbatches, self.loss_scale = microbatches, 1.0
+        self.eval_schedule, self.eval_shapes = None, None  # forward only, built on the first evaluation
         groups = split_groups_by_mesh(param_groups(self.model, optim.weight_decay))
         self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                            fused=ctx.device.type == "cuda" or None)
@@ -92,8 +94,9 @@ class PipelineEngine(FSDP2Engine):
             shapes = [tuple(b.input_ids.shape) for b in micro_batches]
             raise ValueError(f"micro-batches of {shapes} tokens do not fit the pipeline's buffers "
                              f"({self.shapes.rows}, {self.shapes.width})")
-        self.inputs.micro_batches = [widen(b, self.shapes.width, self.attn, self.mask_dtype) for b in micro_batches]
-        self.inputs.micro_loss, self.inputs.sums = micro_loss, []
+        self.inputs.micro_batches = [widen(b, self.shapes.rows, self.shapes.width, self.attn, self.mask_dtype)
+                                     for b in micro_batches]
+        self.inputs.micro_loss, self.inputs.sums, self.inputs.forward_only = micro_loss, [], False
         self.loss_scale = inverse * self.dp_size
         rows = self.inputs.micro_batches[0].input_ids.shape[0]
         ids = torch.cat([b.input_ids for b in self.inputs.micro_batches])  # (M·b, W)
@@ -109,6 +112,40 @@ class PipelineEngine(FSDP2Engine):
             totals += sums
         self.inputs.micro_batches, self.inputs.sums = [], []
         return all_reduce_sum(totals, self.pp_group)  # only the last stage's rank holds them
+
+    @torch.no_grad()
+    def evaluate_sums(self, batches, micro_sums, size: int) -> torch.Tensor:
+        """Forward only, batch by batch through the stages (one micro-batch each) -> (size,) fp64 the sums of
+        `micro_sums(module, batch) -> (size,)` over the batches, computed on the last stage, on every rank."""
+        self.module.eval()
+        totals = torch.zeros(size, dtype=torch.float64, device=self.ctx.device)
+        for batch in batches:
+            rows = self._eval_rows(batch)
+            self.inputs.micro_batches = [widen(batch, rows, self.shapes.width, self.attn, self.mask_dtype)]
+            self.inputs.micro_loss, self.inputs.sums, self.inputs.forward_only = micro_sums, [], True
+            ids, index = self.inputs.micro_batches[0].input_ids, torch.zeros(rows, dtype=torch.long,
+                                                                               device=self.ctx.device)
+            with self.autocast():
+                if any(part.is_first for part in self.parts):
+                    self.eval_schedule.step(ids, index, return_outputs=False)
+                else:
+                    self.eval_schedule.step(return_outputs=False)
+            for sums in self.inputs.sums:
+                totals += sums
+        self.inputs.micro_batches, self.inputs.sums, self.inputs.forward_only = [], [], False
+        return all_reduce_sum(totals, self.pp_group)
+
+    def _eval_rows(self, batch) -> int:
+        """The evaluation stages' rows: the first batch's (trainer.eval_batch_size; a shorter last batch is padded)."""
+        if self.eval_schedule is None:
+            rows = batch.input_ids.shape[0]
+            shapes = replace(self.shapes, rows=rows)
+            self.eval_schedule = build_schedule(self.parts, "gpipe", 1, self.ctx.device, self.pp_group, None, shapes)
+            self.eval_shapes = shapes
+        if batch.input_ids.shape[0] > self.eval_shapes.rows:
+            raise ValueError(f"an evaluation batch of {batch.input_ids.shape[0]} rows exceeds the pipeline's "
+                             f"{self.eval_shapes.rows}")
+        return self.eval_shapes.rows
 
     @contextlib.contextmanager
     def no_sync(self, is_last_micro_batch: bool):

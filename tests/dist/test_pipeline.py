@@ -1,6 +1,7 @@
 """Pipeline parallelism (backend.pp=2) under torchrun (gloo, fp32) against one process, the same global batch:
 a 4-block tiny Llama from config (every rank builds it from the seed, as one process does), micro-batch 2 × M = 4
-micro-batches per pipeline, 6 steps, gradient clipping at 1.0 active (grad norms ~5), saved at step 3.
+micro-batches per pipeline, 6 steps, gradient clipping at 1.0 active (grad norms ~5), saved at step 3, evaluated at
+steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, is padded to the stages' 48).
 
 - parity: loss AND grad norm of every step within 1e-5 relative of one process (the first within 1e-6) for gpipe,
   1f1b and interleaved_1f1b (v=2: 4 stages on 2 ranks), unpacked SFT; gpipe on packed rows against a packed run.
@@ -8,6 +9,8 @@ micro-batches per pipeline, 6 steps, gradient clipping at 1.0 active (grad norms
   resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
 - the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
   one-process run's export to 1e-5.
+- eval: loss, accuracy and token count computed on the last stage reach rank 0's metrics.jsonl, equal to one
+  process's (loss 1e-6 relative at step 0, 1e-5 after).
 Runs are cached per module: each torchrun launch serves several assertions.
 """
 
@@ -21,8 +24,8 @@ from tests.helpers import assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
-BASE = ["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", "trainer.eval_every_n_steps=0",
-        "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2",
+BASE = ["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", "trainer.eval_every_n_steps=3",
+        "trainer.eval_batch_size=48", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2",
         "trainer.max_steps=6", "trainer.save_every_n_steps=3", "trainer.keep_last_k=3", "trainer.micro_batch_size=2",
         "trainer.grad_accum_steps=4"]
 PP = ["backend=fsdp2", "backend.pp=2"]
@@ -68,6 +71,15 @@ def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) 
                                             ("gpipe_packed", "one_packed")])
 def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
     assert_parity(read_metrics(runs.get(name))[0], read_metrics(runs.get(reference))[0], assert_close_series)
+
+
+@pytest.mark.parametrize("name,reference", [("1f1b", "one"), ("interleaved", "one"), ("gpipe_packed", "one_packed")])
+def test_eval_through_the_pipeline_equals_one_process(runs, name, reference, assert_close_series):
+    ours, theirs = read_metrics(runs.get(name))[1], read_metrics(runs.get(reference))[1]
+    assert [r["step"] for r in ours] == [0, 3, 6] == [r["step"] for r in theirs]
+    assert [(r["eval_tokens"], r["eval_accuracy"]) for r in ours] == [(r["eval_tokens"], r["eval_accuracy"])
+                                                                      for r in theirs]
+    assert_close_series(ours, theirs, "eval_loss", 1e-6, 1e-5)
 
 
 def test_split_is_logged(runs):

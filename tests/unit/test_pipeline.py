@@ -120,7 +120,6 @@ def test_a_valid_pipeline_config_passes():
     (["backend.compile=true"], 2, "backend.compile=true is not tested yet"),
     (["peft=lora"], 2, "peft=lora with backend.pp=2"),
     (["precision=fp16"], 2, "precision=fp16 with backend.pp=2"),
-    (["trainer.eval_every_n_steps=5"], 2, "evaluation through the pipeline is not wired up yet"),
 ])
 def test_pipeline_refusals_name_the_field_and_the_fix(overrides, world, needle):
     assert needle in problems(*PP2, *overrides, world=world)
