@@ -166,3 +166,25 @@ def test_model_checks_blocks_ties_and_experts():
     moe = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                num_key_value_heads=2, num_hidden_layers=4, num_local_experts=4)
     assert any("mixture of experts" in p for p in check(pp_backend(), 2, moe))
+
+
+# ---- the planner's pipeline lines -----------------------------------------------------------------------------------
+
+def test_bubble_and_in_flight_formulas():
+    from llmtrain.plan_pp import bubble_fraction, in_flight
+
+    assert bubble_fraction(2, 2) == 1 / 3 and bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(2, 4, 2) == 1 / 9
+    assert [in_flight("gpipe", 4, r, 8, 1) for r in range(4)] == [8] * 4
+    assert [in_flight("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("interleaved_1f1b", 2, r, 4, 2) for r in range(2)] == [5, 3]
+
+
+def test_plan_prints_each_pp_ranks_stages():
+    from llmtrain.plan import plan_text
+
+    text = plan_text(compose_config(["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", *PP2,
+                                     "trainer.grad_accum_steps=4", "plan.world_size=4"]))
+    assert "pipeline: pp 2 × v 1 = 2 stages, 1f1b, M = 4 micro-batches" in text
+    assert "bubble (P−1)/(M+P−1) = 20.0%" in text
+    assert "pp rank 0: stage 0: embed + blocks 0-1:" in text and "pp rank 1: stage 1: blocks 2-3 + norm + head:" in text
+    assert "/dp 2)" in text
