@@ -34,6 +34,18 @@ from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 log = logging.getLogger(__name__)
 
 
+def apply_fsdp_per_stage(parts: list, dp_mesh, device: torch.device, reshard_after_forward: bool,
+                         mp_policy: MixedPrecisionPolicy) -> None:
+    """Each stage its own FSDP root over the dp mesh: its blocks first (one all-gather each), then the stage (its
+    embedding, or final norm and head); the root is not resharded after forward, backward needs it first."""
+    for part in parts:
+        part.to(device)
+        for i in part.blocks:
+            fully_shard(part.model.layers[i], mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=mp_policy)
+        fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
 class PipelineEngine(FSDP2Engine):
     pipelined = True  # stages/base.Updater: the schedule runs the micro-batches (run_schedule)
 
@@ -58,12 +70,7 @@ class PipelineEngine(FSDP2Engine):
         parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
                             log_split=ctx.is_main)
         del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
-        for part in parts:
-            part.to(ctx.device)
-            for i in part.blocks:
-                fully_shard(part.model.layers[i], mesh=dims.mesh("fsdp"), reshard_after_forward=reshard_after_forward,
-                            mp_policy=mp_policy)
-            fully_shard(part, mesh=dims.mesh("fsdp"), reshard_after_forward=False, mp_policy=mp_policy)
+        apply_fsdp_per_stage(parts, dims.mesh("fsdp"), ctx.device, reshard_after_forward, mp_policy)
         self.parts = parts
         self.model = self.module = RankModel(parts, parts[0].model.config)
         self.shapes = Shapes(micro_batch_size, seq_len, parts[0].model.config.hidden_size,

@@ -4,7 +4,8 @@ micro-batches per pipeline, 6 steps, gradient clipping at 1.0 active (grad norms
 steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, is padded to the stages' 48).
 
 - parity: loss AND grad norm of every step within 1e-5 relative of one process (the first within 1e-6) for gpipe,
-  1f1b and interleaved_1f1b (v=2: 4 stages on 2 ranks), unpacked SFT; gpipe on packed rows against a packed run.
+  1f1b and interleaved_1f1b (v=2: 4 stages on 2 ranks), unpacked SFT; gpipe on packed rows against a packed run;
+  dp 2 × pp 2 on 4 ranks (micro-batch 1, so the global batch stays 8; FSDP2 shards each stage over its dp pair).
 - resume: a pp=2 checkpoint resumed at pp=2 is bitwise; resumed in one process (pp2 → 1) and a one-process checkpoint
   resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
 - the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
@@ -37,6 +38,7 @@ RUNS = {
     "interleaved": (2, [*PP, "backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2"]),
     "one_packed": (1, ["backend=fsdp2", "data.packing=true"]),
     "gpipe_packed": (2, [*PP, "backend.pp_schedule=gpipe", "data.packing=true"]),
+    "dp2_pp2": (4, [*PP, "backend.pp_schedule=1f1b", "trainer.micro_batch_size=1"]),  # micro 1 × M 4 × dp 2 = 8
 }
 
 
@@ -68,12 +70,13 @@ def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) 
 
 
 @pytest.mark.parametrize("name,reference", [("gpipe", "one"), ("1f1b", "one"), ("interleaved", "one"),
-                                            ("gpipe_packed", "one_packed")])
+                                            ("gpipe_packed", "one_packed"), ("dp2_pp2", "one")])
 def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
     assert_parity(read_metrics(runs.get(name))[0], read_metrics(runs.get(reference))[0], assert_close_series)
 
 
-@pytest.mark.parametrize("name,reference", [("1f1b", "one"), ("interleaved", "one"), ("gpipe_packed", "one_packed")])
+@pytest.mark.parametrize("name,reference", [("1f1b", "one"), ("interleaved", "one"), ("gpipe_packed", "one_packed"),
+                                            ("dp2_pp2", "one")])
 def test_eval_through_the_pipeline_equals_one_process(runs, name, reference, assert_close_series):
     ours, theirs = read_metrics(runs.get(name))[1], read_metrics(runs.get(reference))[1]
     assert [r["step"] for r in ours] == [0, 3, 6] == [r["step"] for r in theirs]
