@@ -10,6 +10,22 @@ whose activations are alive (forwards done − backwards done) times the bytes o
 (autograd's saved-tensor hooks, llmtrain/metrics/live.py) is the peak activation memory: GPipe holds M, 1F1B P−r.
 Step times are the median of `--steps` steps after two warm-up steps. On a shared 2-core CPU the slots are noisy;
 the in-flight counts are exact.
+
+Measured (2 CPU cores shared with other jobs, torch 2.13.0+cpu, gloo; Llama L4 h256 s128, 2 rows per micro-batch;
+bubble rank 0 / rank 1 against the formula; chunks in flight rank 0 / rank 1, MiB of activations rank 0 / rank 1):
+    schedule     M  bubble r0 / r1 (formula)  in flight r0 / r1  MiB r0 / r1
+    gpipe        2  37% / 36% (33%)           2 / 2              21 / 23
+    gpipe        4  29% / 29% (20%)           4 / 4              42 / 45
+    gpipe        8  23% / 21% (11%)           8 / 8              85 / 91
+    1f1b         2  27% / 33% (33%)           2 / 1              21 / 11
+    1f1b         4  31% / 21% (20%)           2 / 1              21 / 11
+    1f1b         8  25% / 19% (11%)           2 / 1              21 / 11
+    interleaved  2  41% / 38% (20%)           4 / 3              21 / 18
+    interleaved  4  26% / 24% (11%)           5 / 3              27 / 18
+    interleaved  8  15% / 14% (6%)            5 / 3              27 / 18
+The bubble falls with M as the formula says, a few points above it: gloo's send/recv on the CPU (between the timed
+slots) and the shared cores. GPipe's activations grow with M; 1F1B's stay at P−r micro-batches (2 / 1), interleaved
+at torch's warm-up count of half-stage chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,7 +116,7 @@ def worker(args) -> None:
     chunk_bytes = meter.peak  # the largest single forward's saved bytes on this rank (one chunk)
     out = {"rank": ctx.rank, "step_s": step_s, "busy_s": busy_s, "bubble": 1 - busy_s / step_s,
            "in_flight": peak, "activation_bytes": peak * chunk_bytes}
-    print("RESULT " + json.dumps(out), flush=True)
+    Path(args.out, f"rank{ctx.rank}.json").write_text(json.dumps(out))
 
 
 class _nothing:
@@ -123,7 +140,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=4)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return worker(argparse.Namespace(**json.loads(os.environ["PIPELINE_BUBBLE"])))
     from llmtrain.plan_pp import bubble_fraction
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -132,11 +149,12 @@ def main() -> None:
     for schedule, virtual in RUNS:
         for m in (2, 4, 8):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-                   "--worker", "--schedule", schedule, "--virtual", str(virtual), "--m", str(m),
-                   *(f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "seq", "rows", "steps"))]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-            results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
-                       if "RESULT " in line]
+                   "--worker"]  # the worker's settings travel in the environment (torchrun parses what follows)
+            with tempfile.TemporaryDirectory() as out:  # one JSON per rank (their stdout lines interleave)
+                settings = {**vars(args), "schedule": schedule, "virtual": virtual, "m": m, "worker": True, "out": out}
+                done = subprocess.run(cmd, env={**env, "PIPELINE_BUBBLE": json.dumps(settings)}, capture_output=True,
+                                      text=True, cwd=REPO)
+                results = [json.loads(f.read_text()) for f in sorted(Path(out).glob("rank*.json"))]
             if done.returncode != 0 or not results:
                 print(f"{schedule} M={m}: failed\n{done.stderr[-2000:]}")
                 continue
