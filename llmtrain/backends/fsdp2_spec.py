@@ -60,9 +60,11 @@ def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
     if problems(backend, world_size):
         return []
     if _pp(backend) > 1:
+        from llmtrain.backends.pipeline import has_layer_stack
+
         experts = getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0
-        return pipeline_model_problems(backend, arch.num_hidden_layers, bool(getattr(arch, "tie_word_embeddings",
-                                                                                      False)), experts, arch.model_type)
+        return pipeline_model_problems(backend, arch.num_hidden_layers, experts, arch.model_type,
+                                       has_layer_stack(arch))
     if backend.tp <= 1:
         return []
     plan_problems = tp_plan_problems(arch, backend.tp)
@@ -80,7 +82,7 @@ def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
 
     if _pp(backend) > 1:
-        return pipeline_model_problems(backend, facts.layers, facts.head == 0, 0, facts.model_type)
+        return pipeline_model_problems(backend, facts.layers, 0, facts.model_type)
     if backend.tp <= 1:
         return []
     if not facts.tp_params:

@@ -40,6 +40,18 @@ class PipelineIdentity(nn.Module):
         return hidden_states
 
 
+def has_layer_stack(arch) -> bool:
+    """The split's assumption, checked on the meta device (no weights): `model.layers` blocks, `model.embed_tokens`,
+    `model.norm` and `lm_head` (Llama, Qwen2/3, Mistral, Gemma...; GPT-2 names them transformer.h/wte/ln_f)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(arch)
+    base = getattr(model, "model", None)
+    return (isinstance(getattr(base, "layers", None), nn.ModuleList) and hasattr(base, "embed_tokens")
+            and hasattr(base, "norm") and hasattr(model, "lm_head"))
+
+
 def stage_copy(causal_lm: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
     """The causal LM with only this stage's modules: deepcopy's memo maps every other block to an identity (and the
     embedding, final norm and head away from the stages without them), so nothing of other stages is copied."""

@@ -3,7 +3,7 @@ the stages by cost. Pure Python (no torch.distributed): the config checks, the p
 backends/pipeline.py builds the stages from `split_blocks`.
 
 What runs under pp > 1 today (backends/pipeline.py): pretrain and SFT (packed or not) on the fsdp2 backend, dp × pp,
-schedules gpipe / 1f1b / interleaved_1f1b, a decoder with a `model.layers` stack and untied embeddings, fp32 or bf16.
+schedules gpipe / 1f1b / interleaved_1f1b, a decoder with a `model.layers` stack (tied embeddings too), fp32 or bf16.
 Everything else is refused here by name, with the fix.
 """
 
@@ -88,21 +88,23 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
     return problems
 
 
-def model_problems(backend: Any, layers: int, tied: bool, experts: int, model_type: str) -> list[str]:
-    """The architecture against pp · v stages (config.json, no weights)."""
+def model_problems(backend: Any, layers: int, experts: int, model_type: str, layer_stack: bool = True) -> list[str]:
+    """The architecture against pp · v stages (config.json, no weights). layer_stack: the model has the
+    model.layers / embed_tokens / norm / lm_head names the split works on. (Tied embeddings are fine: a copy on the
+    first stage and one on the last, their gradients summed: backends/pipeline_engine.py.)"""
     pp, v = backend.pp, backend.pp_virtual_stages
     if pp <= 1:
         return []
+    if not layer_stack:
+        return [f"{model_type} does not name its blocks model.layers (with model.embed_tokens, model.norm, lm_head), "
+                f"which backend.pp={pp} splits into stages; use backend.pp=1 (fsdp2 shards it), or a Llama-style "
+                "family (llama, qwen2, qwen3, mistral)"]
     problems = []
     stages = pp * max(1, v) if SCHEDULES.get(backend.pp_schedule, (0, False))[1] else pp
     if layers < stages:
         problems.append(f"{model_type} has {layers} decoder blocks, fewer than backend.pp={pp} × "
                         f"backend.pp_virtual_stages={v} = {stages} stages; lower backend.pp or "
                         "backend.pp_virtual_stages")
-    if tied:
-        problems.append(f"{model_type} ties its input and output embeddings (tie_word_embeddings=true): under "
-                        f"backend.pp={pp} they would live on the first and the last stage, and summing their gradients "
-                        "across stages is not wired up yet; use backend.pp=1 or a model with untied embeddings")
     if experts:
         problems.append(f"{model_type} is a mixture of experts: its routers' aux loss spans every stage, which the "
                         f"pipeline does not gather yet; use backend.pp=1")

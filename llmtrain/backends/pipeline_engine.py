@@ -34,6 +34,21 @@ from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 log = logging.getLogger(__name__)
 
 
+TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # RankModel's names of a tied weight's two copies
+
+
+def first_and_last_group(dims: ParallelDims):
+    """The process group of this rank's pipeline's first and last pp ranks (None on the ranks between): every rank
+    creates every such group, in the same order (a collective)."""
+    ranks = dims.mesh("world").mesh.reshape(dims.pp, -1)  # (pp, the other dimensions' ranks)
+    mine = None
+    for column in ranks.t().tolist():
+        group = dist.new_group([column[0], column[-1]])
+        if dist.get_rank() in (column[0], column[-1]):
+            mine = group
+    return mine
+
+
 def apply_fsdp_per_stage(parts: list, dp_mesh, device: torch.device, reshard_after_forward: bool,
                          mp_policy: MixedPrecisionPolicy) -> None:
     """Each stage its own FSDP root over the dp mesh: its blocks first (one all-gather each), then the stage (its
@@ -84,6 +99,9 @@ class PipelineEngine(FSDP2Engine):
                                            fused=ctx.device.type == "cuda" or None)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)  # fp16 is refused under pp
+        # Tied input and output embeddings: a copy on the first stage and one on the last, their gradients summed
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.tied_group = first_and_last_group(dims) if self.tied else None
 
     # ---- the step --------------------------------------------------------------------------------------------------
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -118,7 +136,18 @@ class PipelineEngine(FSDP2Engine):
         for sums in self.inputs.sums:
             totals += sums
         self.inputs.micro_batches, self.inputs.sums = [], []
+        self._sum_tied_grads()
         return all_reduce_sum(totals, self.pp_group)  # only the last stage's rank holds them
+
+    def _sum_tied_grads(self) -> None:
+        """The embedding's gradient (first stage) + the head's (last stage), on both: one weight's gradient, so both
+        copies take the same update and stay equal."""
+        if self.tied_group is None:
+            return
+        for name, param in self.model.named_parameters():
+            if name in TIED_NAMES and param.grad is not None:
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # this dp shard
+                dist.all_reduce(grad, group=self.tied_group)
 
     @torch.no_grad()
     def evaluate_sums(self, batches, micro_sums, size: int) -> torch.Tensor:
@@ -164,7 +193,8 @@ class PipelineEngine(FSDP2Engine):
 
     def clip_or_fused_step(self) -> torch.Tensor:
         """The whole model's gradient norm: this rank's stages' (dp shards reduced), squared, summed over pp."""
-        grads = self._grads()
+        grads = [p.grad for name, p in self.model.named_parameters()
+                 if p.grad is not None and not (self.tied and name == TIED_NAMES[1])]  # a tied weight counts once
         self._measure_after_step(grads)
         local = total_grad_norm(grads) if grads else torch.zeros((), device=self.ctx.device)
         norm = all_reduce_sum(local.double().pow(2).reshape(1), self.pp_group).sqrt()[0].to(local.dtype)

@@ -156,13 +156,12 @@ def pp_backend(**fields):
                               "cpu_offload": False, "pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 1, **fields})
 
 
-def test_model_checks_blocks_ties_and_experts():
+def test_model_checks_blocks_and_experts():
     check = BACKENDS["fsdp2"].model_problems
     assert check(pp_backend(), 2, arch()) == []
     [message] = check(pp_backend(pp_schedule="interleaved_1f1b", pp_virtual_stages=3), 2, arch(layers=4))
     assert "4 decoder blocks, fewer than backend.pp=2 × backend.pp_virtual_stages=3 = 6 stages" in message
-    [message] = check(pp_backend(), 2, arch(tied=True))
-    assert "tie_word_embeddings=true" in message and "use backend.pp=1 or a model with untied embeddings" in message
+    assert check(pp_backend(), 2, arch(tied=True)) == []  # a copy on the first and the last stage, grads summed
     moe = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                num_key_value_heads=2, num_hidden_layers=4, num_local_experts=4)
     assert any("mixture of experts" in p for p in check(pp_backend(), 2, moe))
@@ -188,3 +187,9 @@ def test_plan_prints_each_pp_ranks_stages():
     assert "bubble (P−1)/(M+P−1) = 20.0%" in text
     assert "pp rank 0: stage 0: embed + blocks 0-1:" in text and "pp rank 1: stage 1: blocks 2-3 + norm + head:" in text
     assert "/dp 2)" in text
+
+
+def test_a_family_without_model_layers_is_refused():
+    gpt2 = AutoConfig.for_model("gpt2", n_embd=32, n_head=4, n_layer=4, tie_word_embeddings=False)
+    [message] = BACKENDS["fsdp2"].model_problems(pp_backend(), 2, gpt2)
+    assert "gpt2 does not name its blocks model.layers" in message and "use backend.pp=1" in message
