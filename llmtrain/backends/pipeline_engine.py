@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups, save_hf
@@ -47,6 +53,18 @@ def first_and_last_group(dims: ParallelDims):
         if dist.get_rank() in (column[0], column[-1]):
             mine = group
     return mine
+
+
+def _renamed(state: dict, old: str, new: str) -> dict:
+    """A flat state dict with `old` (a parameter name) replaced by `new` in its keys (model: `name`; flattened
+    optimizer: `state.name.exp_avg`, `param_groups.name.lr`)."""
+    def rename(key: str) -> str:
+        for prefix in ("", "state.", "param_groups."):
+            if key == prefix + old or key.startswith(prefix + old + "."):
+                return prefix + new + key[len(prefix + old):]
+        return key
+
+    return {rename(key): value for key, value in state.items()}
 
 
 def apply_fsdp_per_stage(parts: list, dp_mesh, device: torch.device, reshard_after_forward: bool,
@@ -209,6 +227,20 @@ class PipelineEngine(FSDP2Engine):
     def generation_context(self):
         raise RuntimeError("backend.pp > 1: no generation through the pipeline (PPO/GRPO refuse pp)")
         yield  # pragma: no cover
+
+    # ---- checkpoints: FSDP2's DCP layout, keys of the whole model -------------------------------------------------
+    def load_checkpoint(self, directory: Path) -> None:
+        """As fsdp2 loads; with tied embeddings the last stage's head copy reads the embedding's entries (a
+        one-process checkpoint holds the tied weight and its Adam state once, under the embedding's name)."""
+        if not (self.tied and any(part.is_last for part in self.parts)):
+            return super().load_checkpoint(directory)
+        options = self._dcp_options()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        state = {"model": _renamed(model_sd, *TIED_NAMES[::-1]), "optimizer": _renamed(optim_sd, *TIED_NAMES[::-1])}
+        dcp.load(state, checkpoint_id=directory / "dcp")
+        set_state_dict(self.model, self.optimizer, model_state_dict=_renamed(state["model"], *TIED_NAMES),
+                       optim_state_dict=_renamed(state["optimizer"], *TIED_NAMES), options=options)
+        self._load_scheduler(directory)
 
     # ---- export: every stage's full tensors, gathered to rank 0 -------------------------------------------------
     def export_hf(self, directory: Path) -> None:
