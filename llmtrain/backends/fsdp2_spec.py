@@ -53,24 +53,32 @@ def problems(backend: Any, world_size: int) -> list[str]:
 
 def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
     """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp. With pp > 1:
-    enough blocks for the stages, untied embeddings, no experts."""
-    from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
-    from llmtrain.models.tp import tp_plan_problems
-
+    enough blocks for the stages, the names the split works on, no experts."""
     if problems(backend, world_size):
         return []
-    if _pp(backend) > 1:
-        from llmtrain.backends.pipeline import has_layer_stack
+    return _pipeline_model_problems(backend, arch) + _tp_model_problems(backend, world_size, arch)
 
-        experts = getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0
-        return pipeline_model_problems(backend, arch.num_hidden_layers, experts, arch.model_type,
-                                       has_layer_stack(arch))
+
+def _pipeline_model_problems(backend: Any, arch: Any) -> list[str]:
+    from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
+
+    if _pp(backend) <= 1:
+        return []
+    from llmtrain.backends.pipeline import has_layer_stack
+
+    experts = getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0
+    return pipeline_model_problems(backend, arch.num_hidden_layers, experts, arch.model_type, has_layer_stack(arch))
+
+
+def _tp_model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
+    from llmtrain.models.tp import tp_plan_problems
+
     if backend.tp <= 1:
         return []
     plan_problems = tp_plan_problems(arch, backend.tp)
     if plan_problems:
         return plan_problems
-    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size)
+    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, pp=_pp(backend))
     heads = arch.num_attention_heads
     return dims.model_problems(model_type=arch.model_type, num_heads=heads,
                                num_kv_heads=getattr(arch, "num_key_value_heads", None) or heads,
@@ -81,13 +89,13 @@ def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     """model_problems on the planner's model facts (no transformers config at hand)."""
     from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
 
-    if _pp(backend) > 1:
-        return pipeline_model_problems(backend, facts.layers, 0, facts.model_type)
+    pipeline = pipeline_model_problems(backend, facts.layers, 0, facts.model_type) if _pp(backend) > 1 else []
     if backend.tp <= 1:
-        return []
+        return pipeline
     if not facts.tp_params:
-        return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
-    return ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size).model_problems(
+        return [*pipeline, f"{facts.model_type} has no tensor-parallel plan in transformers"]
+    return pipeline + ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size,
+                                         pp=_pp(backend)).model_problems(
         model_type=facts.model_type, num_heads=facts.heads, num_kv_heads=facts.kv_heads,
         intermediate_size=facts.intermediate)
 

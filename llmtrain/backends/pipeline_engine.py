@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups, save_hf
 from llmtrain.backends.fsdp2 import FSDP2Backend, FSDP2Engine, _by_mesh, split_groups_by_mesh, total_grad_norm
 from llmtrain.backends.pipeline import RankModel, Shapes, StepInputs, build_parts, build_schedule, widen
+from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,10 @@ def _renamed(state: dict, old: str, new: str) -> dict:
     return {rename(key): value for key, value in state.items()}
 
 
-def apply_fsdp_per_stage(parts: list, dp_mesh, device: torch.device, reshard_after_forward: bool,
-                         mp_policy: MixedPrecisionPolicy) -> None:
+def apply_fsdp_per_stage(parts: list, dp_mesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy) -> None:
     """Each stage its own FSDP root over the dp mesh: its blocks first (one all-gather each), then the stage (its
     embedding, or final norm and head); the root is not resharded after forward, backward needs it first."""
     for part in parts:
-        part.to(device)
         for i in part.blocks:
             fully_shard(part.model.layers[i], mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy)
@@ -103,7 +102,11 @@ class PipelineEngine(FSDP2Engine):
         parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
                             log_split=ctx.is_main)
         del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
-        apply_fsdp_per_stage(parts, dims.mesh("fsdp"), ctx.device, reshard_after_forward, mp_policy)
+        for part in parts:  # the fixed order: tp, then fsdp (backends/fsdp2.py says why), per stage
+            part.to(ctx.device)
+            if dims.tp > 1:
+                apply_tp_plan(part.model, dims.mesh("tp"), part.model.config)
+        apply_fsdp_per_stage(parts, dims.mesh("fsdp"), reshard_after_forward, mp_policy)
         self.parts = parts
         self.model = self.module = RankModel(parts, parts[0].model.config)
         self.shapes = Shapes(micro_batch_size, seq_len, parts[0].model.config.hidden_size,

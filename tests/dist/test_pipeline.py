@@ -6,8 +6,8 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
 - parity: loss AND grad norm of every step within 1e-5 relative of one process (the first within 1e-6) for gpipe,
   1f1b and interleaved_1f1b (v=2: 4 stages on 2 ranks), unpacked SFT; gpipe on packed rows against a packed run;
   dp 2 × pp 2 on 4 ranks (micro-batch 1, so the global batch stays 8; FSDP2 shards each stage over its dp pair);
-  tied embeddings (a copy on each end stage, gradients summed), and a one-process tied checkpoint (the weight and its
-  Adam state once) resumed at pp=2.
+  pp 2 × tp 2 on 4 ranks (TP on each stage, then FSDP); tied embeddings (a copy on each end stage, gradients
+  summed), and a one-process tied checkpoint (the weight and its Adam state once) resumed at pp=2.
 - resume: a pp=2 checkpoint resumed at pp=2 is bitwise; resumed in one process (pp2 → 1) and a one-process checkpoint
   resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
 - the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
@@ -41,6 +41,7 @@ RUNS = {
     "one_packed": (1, ["backend=fsdp2", "data.packing=true"]),
     "gpipe_packed": (2, [*PP, "backend.pp_schedule=gpipe", "data.packing=true"]),
     "dp2_pp2": (4, [*PP, "backend.pp_schedule=1f1b", "trainer.micro_batch_size=1"]),  # micro 1 × M 4 × dp 2 = 8
+    "pp2_tp2": (4, [*PP, "backend.pp_schedule=1f1b", "backend.tp=2"]),  # tp peers share examples: dp 1, batch 8
     "one_tied": (1, ["backend=fsdp2", "model.from_config.tie_word_embeddings=true"]),
     "1f1b_tied": (2, [*PP, "backend.pp_schedule=1f1b", "model.from_config.tie_word_embeddings=true"]),
 }
@@ -75,7 +76,7 @@ def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) 
 
 @pytest.mark.parametrize("name,reference", [("gpipe", "one"), ("1f1b", "one"), ("interleaved", "one"),
                                             ("gpipe_packed", "one_packed"), ("dp2_pp2", "one"),
-                                            ("1f1b_tied", "one_tied")])
+                                            ("1f1b_tied", "one_tied"), ("pp2_tp2", "one")])
 def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
     assert_parity(read_metrics(runs.get(name))[0], read_metrics(runs.get(reference))[0], assert_close_series)
 

@@ -106,6 +106,7 @@ def test_a_valid_pipeline_config_passes():
     assert problems(*PP2) == ""
     assert problems(*PP2, "backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2") == ""
     assert problems(*PP2, "backend.pp_schedule=gpipe", "trainer.grad_accum_steps=1", world=4) == ""
+    assert problems(*PP2, "backend.tp=2", world=4) == ""  # pp 2 × tp 2
 
 
 @pytest.mark.parametrize("overrides,world,needle", [
@@ -116,7 +117,7 @@ def test_a_valid_pipeline_config_passes():
     (["backend.pp_schedule=zbv"], 2, "backend.pp_schedule=zbv (ScheduleZBVZeroBubble"),
     (["backend.pp_schedule=zb"], 2, "backend.pp_schedule=zb (ScheduleInterleavedZeroBubble"),
     (["backend.pp_schedule=dualpipe"], 2, "backend.pp_schedule=dualpipe is not one of gpipe, 1f1b"),
-    (["backend.tp=2"], 4, "pipeline × tensor parallel is not wired up yet"),
+    (["backend.tp=2"], 2, "world size 2 divisible by backend.pp=2 × backend.dp_replicate=1 × backend.tp=2 = 4"),
     (["backend.compile=true"], 2, "backend.compile=true is not tested yet"),
     (["peft=lora"], 2, "peft=lora with backend.pp=2"),
     (["precision=fp16"], 2, "precision=fp16 with backend.pp=2"),
@@ -162,6 +163,9 @@ def test_model_checks_blocks_and_experts():
     [message] = check(pp_backend(pp_schedule="interleaved_1f1b", pp_virtual_stages=3), 2, arch(layers=4))
     assert "4 decoder blocks, fewer than backend.pp=2 × backend.pp_virtual_stages=3 = 6 stages" in message
     assert check(pp_backend(), 2, arch(tied=True)) == []  # a copy on the first and the last stage, grads summed
+    both = check(pp_backend(tp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=4), 32, arch(layers=4))
+    assert "fewer than backend.pp=2 × backend.pp_virtual_stages=4" in both[0]  # the pipeline's and TP's checks
+    assert "backend.tp=4 must divide the model's num_key_value_heads=2" in both[1] and "backend.pp=2 × " in both[1]
     moe = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                num_key_value_heads=2, num_hidden_layers=4, num_local_experts=4)
     assert any("mixture of experts" in p for p in check(pp_backend(), 2, moe))
