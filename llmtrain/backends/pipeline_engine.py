@@ -136,7 +136,7 @@ class PipelineEngine(FSDP2Engine):
             raise ValueError(f"the pipeline was built for {self.microbatches} micro-batches (trainer.grad_accum_steps)"
                              f", this step has {len(micro_batches)}")
         width = max(batch.width for batch in micro_batches)
-        if width > self.shapes.width or any(b.input_ids.shape[0] != self.shapes.rows for b in micro_batches):
+        if width > self.shapes.width or any(b.input_ids.shape[0] > self.shapes.rows for b in micro_batches):
             shapes = [tuple(b.input_ids.shape) for b in micro_batches]
             raise ValueError(f"micro-batches of {shapes} tokens do not fit the pipeline's buffers "
                              f"({self.shapes.rows}, {self.shapes.width})")
