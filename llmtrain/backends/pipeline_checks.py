@@ -2,8 +2,9 @@
 the stages by cost. Pure Python (no torch.distributed): the config checks, the planner and the unit tests use it;
 backends/pipeline.py builds the stages from `split_blocks`.
 
-What runs under pp > 1 today (backends/pipeline.py): pretrain and SFT (packed or not) on the fsdp2 backend, dp × pp,
-schedules gpipe / 1f1b / interleaved_1f1b, a decoder with a `model.layers` stack (tied embeddings too), fp32 or bf16.
+What runs under pp > 1 today (backends/pipeline.py): pretrain and SFT (packed or not), with eval, on the fsdp2
+backend, dp × pp × tp, schedules gpipe / 1f1b / interleaved_1f1b, a decoder with a `model.layers` stack (tied
+embeddings too), fp32 or bf16.
 Everything else is refused here by name, with the fix.
 """
 
@@ -73,9 +74,11 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
                         f"batches in flight, and the pipeline's micro-batches are the step's; raise "
                         f"trainer.grad_accum_steps to >= {pp} (the global batch grows with it) or use "
                         "backend.pp_schedule=gpipe")
-    if schedule is not None and schedule[1] and m % pp:
-        problems.append(f"trainer.grad_accum_steps={m} must be a multiple of backend.pp={pp} for "
-                        f"{backend.pp_schedule} (its rounds hold pp micro-batches)")
+    rounds = max(1, m // pp)
+    if schedule is not None and schedule[1] and m % rounds:
+        problems.append(f"trainer.grad_accum_steps={m} does not split into {rounds} equal rounds for "
+                        f"{backend.pp_schedule} (torch's ScheduleInterleaved1F1B: rounds of ~backend.pp={pp} "
+                        f"micro-batches); use a multiple of {pp}, or at most {2 * pp - 1}")
     if cfg.peft.name != "none":
         problems.append(f"peft={cfg.peft.name} with backend.pp={pp}: adapters over pipeline stages are not wired up "
                         "yet; use peft=none or backend.pp=1")

@@ -105,6 +105,8 @@ def problems(*overrides, world=2, recipe="sft_tiny"):
 def test_a_valid_pipeline_config_passes():
     assert problems(*PP2) == ""
     assert problems(*PP2, "backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2") == ""
+    assert problems(*PP2, "backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2",
+                    "trainer.grad_accum_steps=3") == ""  # one round of 3 (torch's rule)
     assert problems(*PP2, "backend.pp_schedule=gpipe", "trainer.grad_accum_steps=1", world=4) == ""
     assert problems(*PP2, "backend.tp=2", world=4) == ""  # pp 2 × tp 2
 
@@ -114,6 +116,8 @@ def test_a_valid_pipeline_config_passes():
     (["trainer.grad_accum_steps=1"], 2, "trainer.grad_accum_steps=1 < backend.pp=2: 1f1b"),
     (["backend.pp_schedule=interleaved_1f1b"], 2, "set backend.pp_virtual_stages >= 2"),
     (["backend.pp_virtual_stages=2"], 2, "backend.pp_virtual_stages=2 needs backend.pp_schedule=interleaved_1f1b"),
+    (["backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2", "trainer.grad_accum_steps=5"], 2,
+     "trainer.grad_accum_steps=5 does not split into 2 equal rounds for interleaved_1f1b"),
     (["backend.pp_schedule=zbv"], 2, "backend.pp_schedule=zbv (ScheduleZBVZeroBubble"),
     (["backend.pp_schedule=zb"], 2, "backend.pp_schedule=zb (ScheduleInterleavedZeroBubble"),
     (["backend.pp_schedule=dualpipe"], 2, "backend.pp_schedule=dualpipe is not one of gpipe, 1f1b"),
