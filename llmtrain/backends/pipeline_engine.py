@@ -5,9 +5,10 @@ stage is its own FSDP root (blocks, then the stage: one all-gather per block, th
 the root's group); the stages then go to torch's PipelineStage, which drives FSDP's gradient reduction itself (no
 sync on every micro-batch's backward, one reduce-scatter per stage after the last).
 
-Build: every rank builds the whole model (as DDP does, the same seed, so the weights are DDP's bit for bit) and keeps
-copies of its own stages' modules only; the whole model is then dropped. (Rank-0-only loading with meta elsewhere,
-as fsdp2 does without pp, is left for later: each rank briefly holds the whole model.)
+Build (fsdp2's way, per stage): rank 0 builds the whole model (random init or from_pretrained, so the weights are
+DDP's bit for bit), the others build it on the meta device; every rank copies its own stages' modules (meta copies,
+no storage, on ranks other than 0), empties them, parallelizes them (tp, fsdp) and fills its shards from rank 0's
+tensors, broadcast one at a time (`load_stages_from_rank0`): only rank 0 ever holds the whole model.
 
 The step (`run_schedule`, called by stages/base.Updater for an engine with `pipelined`): one schedule step over the
 M micro-batches; the last stage's per-micro-batch sums are summed over the pp ranks, so every rank returns them.
@@ -28,12 +29,20 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_scheduler, param_groups, save_hf
-from llmtrain.backends.fsdp2 import FSDP2Backend, FSDP2Engine, _by_mesh, split_groups_by_mesh, total_grad_norm
+from llmtrain.backends.fsdp2 import (
+    FSDP2Backend,
+    FSDP2Engine,
+    _by_mesh,
+    ranks_on_meta,
+    split_groups_by_mesh,
+    total_grad_norm,
+)
 from llmtrain.backends.pipeline import RankModel, Shapes, StepInputs, build_parts, build_schedule, widen
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
@@ -68,6 +77,44 @@ def _renamed(state: dict, old: str, new: str) -> dict:
     return {rename(key): value for key, value in state.items()}
 
 
+def to_meta(module: torch.nn.Module) -> None:
+    """The module's tensors to the meta device, in place (fsdp2.set_aside_and_empty's way)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device="meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def load_stages_from_rank0(model: RankModel, parts: list, rank0_weights: tuple[dict, dict] | None,
+                           device: torch.device) -> None:
+    """After parallelize: allocate this rank's shards and fill them from rank 0's whole model (None elsewhere), one
+    tensor broadcast at a time; each rank keeps the tensors of its own stages (fsdp2.load_from_rank0, per stage)."""
+    state, buffers = rank0_weights or ({}, {})
+    for part in parts:
+        part.to_empty(device=device)
+    names = [[(k, tuple(v.shape), v.dtype) for k, v in items.items()] for items in (state, buffers)]
+    dist.broadcast_object_list(names, src=0)
+    mine, full = set(model.state_dict()), {}
+    for key, shape, dtype in names[0]:
+        tensor = state[key].to(device) if state else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=0)
+        if key in mine:
+            full[key] = tensor
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))  # sharded on each mesh here
+    for name, shape, dtype in names[1]:  # non-persistent buffers (rotary inv_freq) are in no state dict
+        buffer = buffers[name].to(device) if buffers else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buffer, src=0)
+        for part in parts:
+            owned = dict(part.named_buffers())
+            if name in owned:
+                owned[name].copy_(buffer)
+    rng = [torch.get_rng_state()]  # building on meta drew no random numbers: rank 0's generator, as DDP's ranks
+    dist.broadcast_object_list(rng, src=0)
+    torch.set_rng_state(rng[0])
+
+
 def apply_fsdp_per_stage(parts: list, dp_mesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy) -> None:
     """Each stage its own FSDP root over the dp mesh: its blocks first (one all-gather each), then the stage (its
     embedding, or final norm and head); the root is not resharded after forward, backward needs it first."""
@@ -99,16 +146,21 @@ class PipelineEngine(FSDP2Engine):
         self.mask_dtype = autocast_dtype(precision) or torch.float32  # run.batch_preparer's
         self.attn = model.config._attn_implementation
         self.inputs = StepInputs()
+        on_meta = ranks_on_meta(model) if ctx.world_size > 1 else []
+        rank0_weights = (model.state_dict(), dict(model.named_buffers())) if on_meta and ctx.is_main else None
         parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
                             log_split=ctx.is_main)
         del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
         for part in parts:  # the fixed order: tp, then fsdp (backends/fsdp2.py says why), per stage
-            part.to(ctx.device)
+            to_meta(part) if on_meta else part.to(ctx.device)  # every rank parallelizes the same empty stages
             if dims.tp > 1:
                 apply_tp_plan(part.model, dims.mesh("tp"), part.model.config)
         apply_fsdp_per_stage(parts, dims.mesh("fsdp"), reshard_after_forward, mp_policy)
         self.parts = parts
         self.model = self.module = RankModel(parts, parts[0].model.config)
+        if on_meta:
+            load_stages_from_rank0(self.model, parts, rank0_weights, ctx.device)
+            del rank0_weights
         self.shapes = Shapes(micro_batch_size, seq_len, parts[0].model.config.hidden_size,
                              torch.bfloat16 if self.mixed_precision else torch.float32)
         self.schedule = build_schedule(parts, schedule, microbatches, ctx.device, self.pp_group, self._loss,
@@ -264,8 +316,8 @@ class PipelineEngine(FSDP2Engine):
 
 
 class FSDP2PipelineBackend(FSDP2Backend):
-    """The fsdp2 backend (its registered engine), with pipeline stages when backend.pp > 1: every rank then builds the
-    whole model (no meta ranks) and wraps it into a PipelineEngine; with pp = 1 it is FSDP2Backend exactly."""
+    """The fsdp2 backend (its registered engine), with pipeline stages when backend.pp > 1 (a PipelineEngine; rank 0
+    builds the whole model, the others on meta, as under fsdp2); with pp = 1 it is FSDP2Backend exactly."""
 
     def __init__(self, ctx: DistContext, precision: str, options: dict | None = None):
         super().__init__(ctx, precision, options)
@@ -275,9 +327,6 @@ class FSDP2PipelineBackend(FSDP2Backend):
                          "virtual_stages": options.get("pp_virtual_stages", 1),
                          "microbatches": run.get("grad_accum_steps", 1), "seq_len": run.get("max_seq_len", 2048),
                          "micro_batch_size": run.get("micro_batch_size", 1)}
-
-    def model_init_context(self):
-        return contextlib.nullcontext() if self.dims.pp > 1 else super().model_init_context()
 
     def wrap(self, model: torch.nn.Module, optim: OptimizerSpec | None) -> FSDP2Engine:
         if self.dims.pp == 1:
