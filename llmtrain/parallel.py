@@ -202,14 +202,18 @@ def exit_process(code: int) -> None:
 # sp (Ulysses sequence parallelism) sits between dp_shard and tp: sp peers share one sequence and exchange all of
 # it in each attention's all-to-alls (4 per layer), more traffic than dp's once-a-step gradients, less than tp's.
 DIMS = ("dp_replicate", "dp_shard", "sp", "tp")
-# Dimensions no backend has yet: named so a `backend.pp=2` gets a message that says so.
-PLANNED_DIMS = {"pp": "pipeline stages", "cp": "context parallelism", "ep": "expert parallelism"}
+# pp: pipeline stages, outermost (stage peers exchange only activations, point to point: the slowest links do);
+# a keyword of ParallelDims (default 1), so the positional dimensions above keep their meaning.
+PP_DIM = "pp"
+# Dimensions no backend has yet: named so a `backend.cp=2` gets a message that says so.
+PLANNED_DIMS = {"cp": "context parallelism", "ep": "expert parallelism"}
 
 
-def _degrees(dp_replicate: int, dp_shard: int, tp: int, sp: int = 1) -> str:
-    """Every degree of the layout (sp only when set: messages of runs without it read as before)."""
+def _degrees(dp_replicate: int, dp_shard: int, tp: int, sp: int = 1, pp: int = 1) -> str:
+    """Every degree of the layout (sp and pp only when set: messages of runs without them read as before)."""
+    stages = f"backend.pp={pp} × " if pp > 1 else ""
     with_sp = f" × backend.sp={sp}" if sp != 1 else ""
-    return f"backend.dp_replicate={dp_replicate} × backend.dp_shard={dp_shard}{with_sp} × backend.tp={tp}"
+    return f"{stages}backend.dp_replicate={dp_replicate} × backend.dp_shard={dp_shard}{with_sp} × backend.tp={tp}"
 
 
 @dataclass(frozen=True)
@@ -232,43 +236,47 @@ class ParallelDims:
     world_size: int
     device_type: str | None = None
     sp: int = 1  # Ulysses sequence-parallel peers: one sequence, s/sp tokens each (models/ulysses.py)
+    pp: int = 1  # pipeline stages (ranks of one pipeline read the same examples, as tp peers do)
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
-    def problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int, sp: int = 1) -> list[str]:
+    def problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int, sp: int = 1,
+                 pp: int = 1) -> list[str]:
         """Pure arithmetic: what is wrong with these degrees for this world size (empty: fine)."""
-        named = {"backend.dp_replicate": dp_replicate, "backend.sp": sp, "backend.tp": tp}
+        named = {"backend.pp": pp, "backend.dp_replicate": dp_replicate, "backend.sp": sp, "backend.tp": tp}
         bad = [f"{k}={v} must be >= 1" for k, v in named.items() if v < 1]
         if dp_shard < 1 and dp_shard != -1:
             bad.append(f"backend.dp_shard={dp_shard} must be >= 1, or -1 to infer it from the world size")
+        degrees = _degrees(dp_replicate, dp_shard, tp, sp, pp)
         if bad:
-            return [f"{b} ({_degrees(dp_replicate, dp_shard, tp, sp)}, world size {world_size})" for b in bad]
+            return [f"{b} ({degrees}, world size {world_size})" for b in bad]
         if dp_shard == -1:
-            fixed = dp_replicate * sp * tp
+            fixed = pp * dp_replicate * sp * tp
             if world_size % fixed:
+                stages = f"backend.pp={pp} × " if pp > 1 else ""
                 with_sp = f" × backend.sp={sp}" if sp != 1 else ""
                 return [f"backend.dp_shard=-1 (infer) needs world size {world_size} divisible by "
-                        f"backend.dp_replicate={dp_replicate}{with_sp} × backend.tp={tp} = {fixed}; "
-                        f"change backend.tp{' / backend.sp' if sp != 1 else ''} / backend.dp_replicate or the "
-                        "number of processes"]
+                        f"{stages}backend.dp_replicate={dp_replicate}{with_sp} × backend.tp={tp} = {fixed}; "
+                        f"change {'backend.pp / ' if pp > 1 else ''}backend.tp{' / backend.sp' if sp != 1 else ''} "
+                        "/ backend.dp_replicate or the number of processes"]
             return []
-        product = dp_replicate * dp_shard * sp * tp
+        product = pp * dp_replicate * dp_shard * sp * tp
         if product != world_size:
-            return [f"{_degrees(dp_replicate, dp_shard, tp, sp)} = {product}, not the world size {world_size} "
+            return [f"{degrees} = {product}, not the world size {world_size} "
                     "(nnodes × nproc_per_node); set backend.dp_shard=-1 to infer it or change the degrees"]
         return []
 
     @classmethod
     def build(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int,
-              device_type: str | None = None, sp: int = 1) -> ParallelDims:
+              device_type: str | None = None, sp: int = 1, pp: int = 1) -> ParallelDims:
         from llmtrain.config import ConfigError
 
-        problems = cls.problems(dp_replicate, dp_shard, tp, world_size, sp)
+        problems = cls.problems(dp_replicate, dp_shard, tp, world_size, sp=sp, pp=pp)
         if problems:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
         if dp_shard == -1:
-            dp_shard = world_size // (dp_replicate * sp * tp)
-        return cls(dp_replicate, dp_shard, tp, world_size, device_type, sp)
+            dp_shard = world_size // (pp * dp_replicate * sp * tp)
+        return cls(dp_replicate, dp_shard, tp, world_size, device_type, sp, pp)
 
     def on(self, device_type: str) -> ParallelDims:
         """The same layout with its meshes on `device_type` (none built yet)."""
@@ -280,13 +288,14 @@ class ParallelDims:
         sizes = {"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
                  "intermediate_size": intermediate_size}
         return [f"backend.tp={self.tp} must divide the model's {name}={value} ({model_type}; "
-                f"{_degrees(self.dp_replicate, self.dp_shard, self.tp, self.sp)}, world size {self.world_size}); "
+                f"{_degrees(self.dp_replicate, self.dp_shard, self.tp, self.sp, self.pp)}, "
+                f"world size {self.world_size}); "
                 f"pick a tp among {_divisors_of_all([v for v in sizes.values() if v])}"
                 for name, value in sizes.items() if value and value % self.tp]
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in DIMS}
+        return {name: getattr(self, name) for name in (PP_DIM, *DIMS) if name in DIMS or self.pp > 1}
 
     @property
     def dp_size(self) -> int:
@@ -330,7 +339,7 @@ class ParallelDims:
 
     def mesh(self, name: str):
         """A device mesh by name, from the world mesh built once: "world"; a dimension ("dp_shard" always,
-        "dp_replicate" and "tp" when > 1); "dp" (ranks that read different data: the sampler's coordinates and
+        "dp_replicate", "tp" and "pp" when > 1); "dp" (ranks that read different data: the sampler's coordinates and
         the loss reduction); "fsdp" (what fully_shard shards over: dp_shard, or (dp_replicate, dp_shard) for
         HSDP; with sp, dp_shard × sp flattened: sp peers hold the same weights); "dp_shard_tp" (with tp: a norm
         partial over both dims is one all-reduce instead of two); with sp, "sp" and "loss" (dp × sp)."""
@@ -357,7 +366,8 @@ class ParallelDims:
 
         if self.device_type is None:
             raise ValueError(f"ParallelDims({self}) has no device type: build it with .on(device_type) for meshes")
-        names = (*self.dp_dim_names, *(("sp",) if self.sp > 1 else ()), *(("tp",) if self.tp > 1 else ()))
+        names = (*((PP_DIM,) if self.pp > 1 else ()), *self.dp_dim_names, *(("sp",) if self.sp > 1 else ()),
+                 *(("tp",) if self.tp > 1 else ()))
         mesh = init_device_mesh(self.device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
         if self.dp_replicate > 1:
             mesh[self.dp_dim_names]._flatten("dp")
@@ -369,8 +379,9 @@ class ParallelDims:
         return mesh
 
     def __str__(self) -> str:
+        stages = f"pp {self.pp} × " if self.pp > 1 else ""
         with_sp = f"sp {self.sp} × " if self.sp != 1 else ""
-        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} × "
+        return (f"world {self.world_size} = {stages}dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} × "
                 f"{with_sp}tp {self.tp} (data parallel {self.dp_size})")
 
 

@@ -45,6 +45,7 @@ from llmtrain.metrics.live import PlanFigures
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
 from llmtrain.models.fused_head import default_chunk_tokens
+from llmtrain.plan_pp import pipeline_lines
 from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
 from llmtrain.stages.registry import stage_roles, stage_spec
 from llmtrain.validation import data_parallel_size, validate
@@ -409,6 +410,8 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
              f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states; "
              "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
+    lines += pipeline_lines(cfg.backend, st.facts, micro=st.micro, accum=st.accum, seq=st.seq, precision=st.precision,
+                            dp=data_parallel_size(cfg.backend, world), checkpointing=st.checkpointing)
     if st.rl is not None:
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "

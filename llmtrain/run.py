@@ -73,7 +73,8 @@ def backend_options(cfg: DictConfig, run_dir: Path) -> dict:
     (DeepSpeed writes the batch triple into its own config, and that config into the run dir)."""
     options = OmegaConf.to_container(cfg.backend, resolve=True)
     options["run"] = {"micro_batch_size": cfg.trainer.micro_batch_size,
-                      "grad_accum_steps": cfg.trainer.grad_accum_steps, "output_dir": str(run_dir)}
+                      "grad_accum_steps": cfg.trainer.grad_accum_steps, "output_dir": str(run_dir),
+                      "max_seq_len": cfg.data.max_seq_len}
     return options
 
 

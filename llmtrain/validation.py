@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.backends import BACKENDS, backend_problems, backends_that, data_parallel_size
+from llmtrain.backends.pipeline_checks import run_problems as pipeline_problems
 from llmtrain.config import ConfigError, batch_problems, choice_problems, schema_problems
 from llmtrain.data.formats import FORMATS
 from llmtrain.data.prompts import PROMPT_FORMATS
@@ -46,6 +47,7 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += peft_problems(cfg.peft, cfg.backend, reference_off_adapters(cfg))
     problems += attention_problems(cfg)
     problems += sp_problems(cfg)
+    problems += pipeline_problems(cfg, stage_spec(cfg.stage.name))
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
 
 

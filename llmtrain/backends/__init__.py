@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from llmtrain.backends import ddp_spec, deepspeed_spec, fsdp2_spec
 from llmtrain.backends.spec import BackendSpec, flat_data_parallel, no_problems
-from llmtrain.parallel import DIMS, PLANNED_DIMS, DistContext, ParallelDims
+from llmtrain.parallel import DIMS, PLANNED_DIMS, PP_DIM, DistContext, ParallelDims
 
 BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (ddp_spec.SPEC, deepspeed_spec.SPEC, fsdp2_spec.SPEC)}
 
@@ -94,9 +94,9 @@ def data_parallel_size(backend: Any, world_size: int) -> int:
     """Ranks that see different data (tensor-parallel peers share theirs), from the run's ParallelDims; for degrees
     that do not fit the world (reported by the backend check) world // tp."""
     degrees = parallel_degrees(backend)
-    named = {name: degrees.get(name, 1) for name in DIMS}
+    named = {name: degrees.get(name, 1) for name in (*DIMS, PP_DIM)}
     if ParallelDims.problems(world_size=world_size, **named):
-        return max(1, world_size // max(1, degrees["tp"] * degrees.get("sp", 1)))
+        return max(1, world_size // max(1, degrees["tp"] * degrees.get("sp", 1) * degrees.get(PP_DIM, 1)))
     return ParallelDims.build(world_size=world_size, **named).dp_size
 
 

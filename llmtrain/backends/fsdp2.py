@@ -329,6 +329,9 @@ class FSDP2Engine(ScaledOptimizerSteps):
         dcp.load(state, checkpoint_id=directory / "dcp")  # in place, resharded to this mesh
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=options)
+        self._load_scheduler(directory)
+
+    def _load_scheduler(self, directory: Path) -> None:
         scheduler = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
         # The lr lambda is the same for every group, but the number of groups follows the mesh.
         groups = len(self.optimizer.param_groups)

@@ -29,32 +29,66 @@ class FSDP2Config(BackendNode):
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     compile: bool = False
+    pp: int = 1  # pipeline stages (backends/pipeline.py); world = pp × dp_replicate × dp_shard × sp × tp
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_virtual_stages: int = 1  # stages per rank (interleaved_1f1b: >= 2)
+
+
+def _pp(backend: Any) -> int:
+    return getattr(backend, "pp", 1)  # a plain namespace (tests, older callers) has no pipeline: 1
 
 
 def degrees(backend: Any) -> dict[str, int]:
-    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "sp": sp_of(backend), "tp": backend.tp}
+    return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "sp": sp_of(backend), "tp": backend.tp,
+            "pp": _pp(backend)}
 
 
 def problems(backend: Any, world_size: int) -> list[str]:
-    """world = dp_replicate × dp_shard × sp × tp (dp_shard -1: inferred)."""
-    return ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp_of(backend))
+    """world = pp × dp_replicate × dp_shard × sp × tp (dp_shard -1: inferred); the pipeline's own fields."""
+    from llmtrain.backends.pipeline_checks import schedule_problems, unsupported_settings
+
+    pp, sp = _pp(backend), sp_of(backend)
+    found = ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp=sp, pp=pp)
+    if pp > 1:
+        found += schedule_problems(backend) + unsupported_settings(backend)
+    if pp > 1 and sp > 1:
+        found.append(f"backend.pp={pp} with backend.sp={sp}: pipeline stages over sequence shards are not supported "
+                     "yet (neither is tested with the other); use one of them")
+    return found
 
 
 def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
     """With tp > 1: a TP plan for this architecture, and heads / kv-heads / MLP width divisible by tp; with sp > 1,
-    heads that split over sp × tp (models/ulysses_checks.py)."""
+    heads that split over sp × tp (models/ulysses_checks.py). With pp > 1: enough blocks for the stages, the names
+    the split works on, no experts."""
+    if problems(backend, world_size):
+        return []
+    return _pipeline_model_problems(backend, arch) + _tp_model_problems(backend, world_size, arch)
+
+
+def _pipeline_model_problems(backend: Any, arch: Any) -> list[str]:
+    from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
+
+    if _pp(backend) <= 1:
+        return []
+    from llmtrain.backends.pipeline import has_layer_stack
+
+    experts = getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0
+    return pipeline_model_problems(backend, arch.num_hidden_layers, experts, arch.model_type, has_layer_stack(arch))
+
+
+def _tp_model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
     from llmtrain.models.tp import tp_plan_problems
     from llmtrain.models.ulysses_checks import sp_model_problems
 
-    if problems(backend, world_size):
-        return []
     sp_found = sp_model_problems(sp_of(backend), backend.tp, arch)
     if backend.tp <= 1 or sp_found:
         return sp_found
     plan_problems = tp_plan_problems(arch, backend.tp)
     if plan_problems:
         return plan_problems
-    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp=sp_of(backend))
+    dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp=sp_of(backend),
+                              pp=_pp(backend))
     heads = arch.num_attention_heads
     return dims.model_problems(model_type=arch.model_type, num_heads=heads,
                                num_kv_heads=getattr(arch, "num_key_value_heads", None) or heads,
@@ -63,14 +97,17 @@ def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
 
 def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     """model_problems on the planner's model facts (no transformers config at hand)."""
+    from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
     from llmtrain.models.ulysses_checks import sp_facts_problems
 
+    pipeline = pipeline_model_problems(backend, facts.layers, 0, facts.model_type) if _pp(backend) > 1 else []
     sp_found = sp_facts_problems(sp_of(backend), backend.tp, facts)
     if backend.tp <= 1 or sp_found:
-        return sp_found
+        return pipeline + sp_found
     if not facts.tp_params:
-        return [f"{facts.model_type} has no tensor-parallel plan in transformers"]
-    return ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size).model_problems(
+        return [*pipeline, f"{facts.model_type} has no tensor-parallel plan in transformers"]
+    return pipeline + ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size,
+                                         sp=sp_of(backend), pp=_pp(backend)).model_problems(
         model_type=facts.model_type, num_heads=facts.heads, num_kv_heads=facts.kv_heads,
         intermediate_size=facts.intermediate)
 
@@ -116,7 +153,8 @@ def layout(name: str, backend: FSDP2Config, dims: ParallelDims, hidden: int) -> 
                   reshard_after_forward=backend.reshard_after_forward)
 
 
-SPEC = BackendSpec(name="fsdp2", engine="llmtrain.backends.fsdp2:FSDP2Backend", config_class=FSDP2Config,
+SPEC = BackendSpec(name="fsdp2", engine="llmtrain.backends.pipeline_engine:FSDP2PipelineBackend",
+                   config_class=FSDP2Config,
                    presets=("fsdp2", "fsdp2_tp"), compared=("fsdp2", "fsdp2_tp"), degrees=degrees,
                    problems=problems, model_problems=model_problems, plan_problems=plan_problems, layout=layout,
                    row_name=lambda backend: backend.name + ("_tp" if backend.tp > 1 else ""), holdings=holdings,

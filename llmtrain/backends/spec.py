@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llmtrain.parallel import DIMS, ParallelDims
+from llmtrain.parallel import DIMS, PP_DIM, ParallelDims
 
 
 def no_problems(*args: Any) -> list[str]:
@@ -71,7 +71,7 @@ class BackendSpec:
     def parallel_dims(self, backend: Any, world_size: int) -> ParallelDims:
         """The run's layout: ConfigError (every degree named) when the degrees do not fit the world."""
         degrees = self.degrees(backend)
-        return ParallelDims.build(world_size=world_size, **{name: degrees.get(name, 1) for name in DIMS})
+        return ParallelDims.build(world_size=world_size, **{name: degrees.get(name, 1) for name in (*DIMS, PP_DIM)})
 
     def config_from_options(self, options: dict) -> Any:
         """The typed config from a plain dict (build_backend's options; missing fields take their defaults)."""

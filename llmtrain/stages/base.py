@@ -140,14 +140,17 @@ class Updater:
         # sum; an sp rank's forward sees its shard of the rows).
         share = 1.0 / (len(micro_batches) * engine.dp_size * getattr(engine, "sp_size", 1))
         totals = torch.zeros(2 + num_stats, device=self.device)  # loss sum, mean-term sum, the statistics' sums
-        for i, batch in enumerate(micro_batches):
-            with engine.no_sync(is_last_micro_batch=i == len(micro_batches) - 1):
-                with engine.autocast():
-                    loss_sum, stats, *mean_term = micro_loss(engine.module, batch)
-                term = mean_term[0] if mean_term else loss_sum.new_zeros(())
-                engine.backward(loss_sum * inverse + term * share)
-            totals += torch.cat([loss_sum.detach().float().reshape(1), term.detach().float().reshape(1),
-                                 stats.detach().float().reshape(-1)])
+        if getattr(engine, "pipelined", False):  # a pipeline schedule runs every micro-batch (backends/pipeline.py)
+            totals += engine.run_schedule(micro_batches, micro_loss, inverse, share, totals.numel())
+        else:
+            for i, batch in enumerate(micro_batches):
+                with engine.no_sync(is_last_micro_batch=i == len(micro_batches) - 1):
+                    with engine.autocast():
+                        loss_sum, stats, *mean_term = micro_loss(engine.module, batch)
+                    term = mean_term[0] if mean_term else loss_sum.new_zeros(())
+                    engine.backward(loss_sum * inverse + term * share)
+                totals += torch.cat([loss_sum.detach().float().reshape(1), term.detach().float().reshape(1),
+                                     stats.detach().float().reshape(-1)])
         totals = all_reduce_sum(totals, engine.dp_group)
         lr = engine.current_lr()  # this step's lr: read before clip_or_fused_step (DeepSpeed updates there)
         values = to_host(*totals, engine.clip_or_fused_step())  # one device sync for all of them

@@ -41,17 +41,26 @@ class CausalLMStage(Stage):
         result, routed = routed_update(updater, engines["policy"], micro_batches, self.micro_batch_loss, targets, 0)
         return {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens": result.count, **routed}
 
+    @staticmethod
+    def eval_sums(module: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """(−Σ log p, target tokens, argmax hits) of one batch, (3,) fp64."""
+        answer, _, _ = target_logps(module, batch, accuracy=True)  # (B, T) each
+        # targets(): under sequence parallelism the shard's own (shifted before the cut)
+        return torch.stack([-answer.logps.double().sum(), (batch.targets() != IGNORE_INDEX).sum().double(),
+                            answer.correct.sum().double()])
+
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:
         engine = engines["policy"]
         engine.module.eval()
-        sums = [torch.zeros((), dtype=torch.float64, device=engine.ctx.device) for _ in range(3)]
-        for batch in batches:
-            with engine.autocast():
-                answer, _, _ = target_logps(engine.module, batch, accuracy=True)  # (B, T) each
-            for i, value in enumerate((-answer.logps.double().sum(), (batch.targets() != IGNORE_INDEX).sum(),
-                                       answer.correct.sum())):
-                sums[i] += value.double()
+        if getattr(engine, "pipelined", False):  # the last stage computes the sums (backends/pipeline.py)
+            sums = list(engine.evaluate_sums(batches, self.eval_sums, 3))
+        else:
+            sums = [torch.zeros((), dtype=torch.float64, device=engine.ctx.device) for _ in range(3)]
+            for batch in batches:
+                with engine.autocast():
+                    for i, value in enumerate(self.eval_sums(engine.module, batch)):
+                        sums[i] += value
         loss_sum, targets, correct = reduce_sums(sums, engine)
         eval_loss = loss_sum / max(targets, 1)
         return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
@@ -69,8 +78,9 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> Caus
 STAGE_SPECS = (
     StageSpec(name="pretrain", build=build, roles=policy_role, data_formats=("text",),
               data_hint="trains on every token: data.format={format} must be text (use stage=sft for prompt/response "
-                        "data)", token_losses=True, sequence_parallel=True),
+                        "data)", token_losses=True, sequence_parallel=True, pipelines=True),
     StageSpec(name="sft", build=build, roles=policy_role, data_formats=SFT_FORMATS,
               data_hint=f"trains on responses only: data.format={{format}} must be one of {', '.join(SFT_FORMATS)} "
-                        "(use stage=pretrain for plain text)", token_losses=True, sequence_parallel=True),
+                        "(use stage=pretrain for plain text)", token_losses=True, sequence_parallel=True,
+              pipelines=True),
 )

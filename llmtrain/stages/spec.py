@@ -70,6 +70,7 @@ class StageSpec:
     max_prompt_len: Callable[[Any], int] | None = None  # prompts: the room left for a prompt
     rl_shape: Callable[[Any], RLShape] | None = None  # a step is an RL iteration (planner, batch arithmetic)
     token_losses: bool = False  # finished_run: per-token losses of the held-out samples
+    pipelines: bool = False  # runs under backend.pp > 1 (its MicroLoss on the last stage: backends/pipeline.py)
     pair_scores: str | None = None  # finished_run: "scalar" (a reward model's score) or "implicit"
     implicit_reward: Callable[[Any], ImplicitReward] | None = None
     sequence_parallel: bool = False  # runs with backend.sp > 1: its losses are sums over target tokens of shards

@@ -68,10 +68,14 @@ def test_capabilities_and_layouts():
     (["backend.offload_param.device=cpu"], "backend.offload_param is a field of the deepspeed backend"),
     (["backend=zero2", "backend.tp=2"], "backend.tp is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp); "
                                         "backend deepspeed has: name, zero_stage,"),
-    (["backend.pp=2"], "config: backend.pp: no backend has pipeline stages yet (the layout's dimensions: "
-                       "dp_replicate × dp_shard × sp × tp); backend ddp has: name"),
+    (["backend.pp=2"], "config: backend.pp is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp); "
+                       "backend ddp has: name"),
+    (["backend=zero3", "backend.pp=2"], "backend.pp is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp); "
+                                        "backend deepspeed has: name, zero_stage,"),
     (["backend.sp=2"], "config: backend.sp is a field of the deepspeed backend (backend=deepspeed/zero0/zero1/zero2/"
                        "zero3/zero3_offload) and the fsdp2 backend (backend=fsdp2/fsdp2_tp); backend ddp has: name"),
+    (["backend.cp=2"], "config: backend.cp: no backend has context parallelism yet (the layout's dimensions: "
+                       "dp_replicate × dp_shard × sp × tp); backend ddp has: name"),
     (["backend=fsdp2", "backend.bogus=1"], "backend.bogus is not a field of any backend (ddp, deepspeed, fsdp2); "
                                            "backend fsdp2 has: name, dp_replicate, dp_shard, sp, tp,"),
 ])

@@ -15,7 +15,7 @@ FLOORS = (
      "llmtrain.run_metadata"),
     ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards"),
     ("llmtrain.backends", "llmtrain.stages", "llmtrain.roles", "llmtrain.trainer", "llmtrain.checkpoint"),
-    ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan_rl", "llmtrain.finished_run",
+    ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan_rl", "llmtrain.plan_pp", "llmtrain.finished_run",
      "llmtrain.sequence_parallel"),
     ("llmtrain.plan", "llmtrain.plan_fit", "llmtrain.run", "llmtrain.bases", "llmtrain.compose", "llmtrain.__main__"),
 )

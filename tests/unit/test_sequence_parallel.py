@@ -143,3 +143,13 @@ def test_what_sp_cannot_honour_is_refused_before_loading():
     assert "backend.sp=2" in _refused(world=3)  # 3 ranks do not split into sp pairs
     validate(compose_config(["recipe=sft_tiny", "backend=fsdp2", "backend.sp=2"]), world_size=4)
     validate(compose_config(["recipe=pretrain_tiny", "backend=zero3", "backend.sp=2"]), world_size=2)
+
+
+def test_pipeline_stages_over_sequence_shards_are_refused_together():
+    """backend.pp and backend.sp each work; together they are untested, so refused before anything loads."""
+    cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2", "backend.pp=2", "backend.sp=2",
+                          "trainer.grad_accum_steps=2", "trainer.eval_every_n_steps=0", "model.dropout=0.0"])
+    with pytest.raises(ConfigError, match="backend.pp=2 with backend.sp=2: pipeline stages over sequence shards"):
+        validate(cfg, world_size=4)
+    dims = ParallelDims.build(1, -1, 1, 8, sp=2, pp=2)
+    assert (dims.dp_shard, dims.dp_size) == (2, 2) and "pp 2 × " in str(dims) and "sp 2 × " in str(dims)

@@ -1,0 +1,70 @@
+"""The planner's pipeline column (backend.pp > 1): per pp rank its stages, model states, activations in flight and the
+bytes it sends point to point in a step, and the schedule's bubble.
+
+The formulas (the seeds' pages on GPipe and 1F1B; torch's schedules):
+- bubble: a step of M micro-batches over P stages idles (P−1) slots of M+P−1 on every rank: (P−1)/(M+P−1); with v
+  virtual stages per rank each slot is 1/v as long: (P−1)/(v·M+P−1).
+- activations in flight on pp rank r: GPipe runs every forward first (M micro-batches); 1F1B starts a backward once
+  the pipe is full (P−r); interleaved keeps torch's warm-up, (v−1)·P + 2·(P−1−r) + 1 chunks, at most v·M.
+- p2p: every stage boundary carries each micro-batch's hidden states forward and their gradient backward,
+  b·s·h elements each.
+- model states: the rank's parameters (its blocks, the embedding on stage 0, norm and head on the last), fp32 with
+  their gradient and Adam's two moments, sharded over dp by FSDP2: 16·params/dp bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.backends.pipeline_checks import SCHEDULES, StageCosts, describe_stage, split_blocks
+from llmtrain.metrics.cost import activation_bytes
+
+GIB = 1024**3
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle share of a step on every rank: (P−1)/(v·M + P−1)."""
+    return (pp - 1) / (virtual * microbatches + pp - 1)
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int) -> int:
+    """Micro-batch chunks whose activations pp rank `rank` holds at its peak."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - rank)
+    return min(virtual * microbatches, (virtual - 1) * pp + 2 * (pp - 1 - rank) + 1)
+
+
+def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int, dp: int, precision: str,
+                   checkpointing: bool) -> list[str]:
+    """The planner's lines for backend.pp > 1 (empty otherwise)."""
+    pp = getattr(backend, "pp", 1)
+    if pp <= 1 or backend.pp_schedule not in SCHEDULES:
+        return []
+    schedule = backend.pp_schedule
+    v = backend.pp_virtual_stages if SCHEDULES[schedule][1] else 1
+    stages, f = pp * v, facts
+    if f.layers < stages:
+        return []
+    bounds = split_blocks(f.layers, stages, StageCosts.of(f.block, f.hidden, f.vocab, seq, f.head or f.embed))
+    elem = 2 if precision in ("bf16", "fp16") else 4
+    block_act = activation_bytes(micro, seq, f.hidden, f.heads, 1, checkpointing=checkpointing, elem=elem,
+                                 scores=False, intermediate=f.intermediate, kv_heads=f.kv_heads)  # one block, b rows
+    boundary = micro * seq * f.hidden * elem  # one micro-batch's hidden states (or their gradient)
+    lines = [f"pipeline: pp {pp} × v {v} = {stages} stages, {schedule}, M = {accum} micro-batches of {micro} rows: "
+             f"bubble (P−1)/({'v·' if v > 1 else ''}M+P−1) = {bubble_fraction(pp, accum, v):.1%} of each step; "
+             "the table above counts every block on every rank, the lines below each rank's stages"]
+    for rank in range(pp):
+        mine = list(range(rank, stages, pp))
+        blocks = sum(len(bounds[s]) for s in mine)
+        params = blocks * f.block + (f.embed if 0 in mine else 0) + \
+            ((f.head or 0) + f.hidden if stages - 1 in mine else 0)
+        chunks = in_flight(schedule, pp, rank, accum, v)
+        activations = chunks * block_act * blocks / len(mine)
+        sends = sum((s != stages - 1) + (s != 0) for s in mine) * accum * boundary
+        pieces = "; ".join(f"stage {s}: {describe_stage(s, stages, bounds[s])}" for s in mine)
+        lines.append(f"pp rank {rank}: {pieces}: {params / 1e6:,.1f}M parameters, model states "
+                     f"{16 * params / dp / GIB:.3g} GiB (fp32 + Adam, /dp {dp}), activations {chunks} micro-batch "
+                     f"chunk(s) in flight ≈ {activations / GIB:.3g} GiB, p2p {sends / 1e9:.3g} GB sent per step")
+    return lines

@@ -1,0 +1,130 @@
+"""Pipeline parallelism (backend.pp=2) under torchrun (gloo, fp32) against one process, the same global batch:
+a 4-block tiny Llama from config (every rank builds it from the seed, as one process does), micro-batch 2 × M = 4
+micro-batches per pipeline, 6 steps, gradient clipping at 1.0 active (grad norms ~5), saved at step 3, evaluated at
+steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, is padded to the stages' 48).
+
+- parity: loss AND grad norm of every step within 1e-5 relative of one process (the first within 1e-6) for gpipe,
+  1f1b and interleaved_1f1b (v=2: 4 stages on 2 ranks), unpacked SFT; gpipe on packed rows against a packed run;
+  dp 2 × pp 2 on 4 ranks (micro-batch 1, so the global batch stays 8; FSDP2 shards each stage over its dp pair);
+  pp 2 × tp 2 on 4 ranks (TP on each stage, then FSDP); tied embeddings (a copy on each end stage, gradients
+  summed), and a one-process tied checkpoint (the weight and its Adam state once) resumed at pp=2.
+- resume: a pp=2 checkpoint resumed at pp=2 is bitwise; resumed in one process (pp2 → 1) and a one-process checkpoint
+  resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
+- the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
+  one-process run's export to 1e-5.
+- eval: loss, accuracy and token count computed on the last stage reach rank 0's metrics.jsonl, equal to one
+  process's (loss 1e-6 relative at step 0, 1e-5 after).
+Runs are cached per module: each torchrun launch serves several assertions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_ok, read_metrics, run_cli
+
+pytestmark = pytest.mark.dist
+
+BASE = ["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", "trainer.eval_every_n_steps=3",
+        "trainer.eval_batch_size=48", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2",
+        "trainer.max_steps=6", "trainer.save_every_n_steps=3", "trainer.keep_last_k=3", "trainer.micro_batch_size=2",
+        "trainer.grad_accum_steps=4"]
+PP = ["backend=fsdp2", "backend.pp=2"]
+# name: (processes, overrides)
+RUNS = {
+    "one": (1, ["backend=fsdp2"]),
+    "gpipe": (2, [*PP, "backend.pp_schedule=gpipe"]),
+    "1f1b": (2, [*PP, "backend.pp_schedule=1f1b"]),
+    "interleaved": (2, [*PP, "backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2"]),
+    "one_packed": (1, ["backend=fsdp2", "data.packing=true"]),
+    "gpipe_packed": (2, [*PP, "backend.pp_schedule=gpipe", "data.packing=true"]),
+    "dp2_pp2": (4, [*PP, "backend.pp_schedule=1f1b", "trainer.micro_batch_size=1"]),  # micro 1 × M 4 × dp 2 = 8
+    "pp2_tp2": (4, [*PP, "backend.pp_schedule=1f1b", "backend.tp=2"]),  # tp peers share examples: dp 1, batch 8
+    "one_tied": (1, ["backend=fsdp2", "model.from_config.tie_word_embeddings=true"]),
+    "1f1b_tied": (2, [*PP, "backend.pp_schedule=1f1b", "model.from_config.tie_word_embeddings=true"]),
+}
+
+
+class Runs:
+    def __init__(self, root: Path):
+        self.root, self.done, self.logs = root, {}, {}
+
+    def get(self, name: str, *extra: str, nproc: int | None = None, key: str | None = None) -> Path:
+        key = key or name
+        if key not in self.done:
+            processes, overrides = RUNS[name]
+            out = self.root / key
+            result = run_cli([*BASE, *overrides, f"output_dir={out}", *extra], nproc=nproc or processes)
+            assert_ok(result)
+            self.done[key], self.logs[key] = out, result.stdout + result.stderr
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("pp_runs"))
+
+
+def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) -> None:
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]  # the same examples
+    assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
+    assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-5)
+    assert reference[-1]["loss"] < reference[0]["loss"]
+
+
+@pytest.mark.parametrize("name,reference", [("gpipe", "one"), ("1f1b", "one"), ("interleaved", "one"),
+                                            ("gpipe_packed", "one_packed"), ("dp2_pp2", "one"),
+                                            ("1f1b_tied", "one_tied"), ("pp2_tp2", "one")])
+def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
+    assert_parity(read_metrics(runs.get(name))[0], read_metrics(runs.get(reference))[0], assert_close_series)
+
+
+@pytest.mark.parametrize("name,reference", [("1f1b", "one"), ("interleaved", "one"), ("gpipe_packed", "one_packed"),
+                                            ("dp2_pp2", "one")])
+def test_eval_through_the_pipeline_equals_one_process(runs, name, reference, assert_close_series):
+    ours, theirs = read_metrics(runs.get(name))[1], read_metrics(runs.get(reference))[1]
+    assert [r["step"] for r in ours] == [0, 3, 6] == [r["step"] for r in theirs]
+    assert [(r["eval_tokens"], r["eval_accuracy"]) for r in ours] == [(r["eval_tokens"], r["eval_accuracy"])
+                                                                      for r in theirs]
+    assert_close_series(ours, theirs, "eval_loss", 1e-6, 1e-5)
+
+
+def test_split_is_logged(runs):
+    runs.get("1f1b")
+    assert "pp rank 0: stage 0: embed + blocks 0-1" in runs.logs["1f1b"]
+    assert "pp rank 1: stage 1: blocks 2-3 + norm + head" in runs.logs["1f1b"]
+    runs.get("interleaved")
+    for line in ("pp rank 0: stage 0: embed + block 0", "pp rank 1: stage 1: block 1", "pp rank 0: stage 2: block 2",
+                 "pp rank 1: stage 3: block 3 + norm + head"):
+        assert line in runs.logs["interleaved"]
+
+
+def test_bitwise_resume_at_pp2(runs):
+    straight = runs.get("1f1b")
+    resumed = runs.get("1f1b", f"resume={straight}/checkpoints/step_3", key="1f1b_resumed")
+    continued, reference = read_metrics(resumed)[0], read_metrics(straight)[0][3:]
+    assert [r["step"] for r in continued] == [4, 5, 6]
+    assert [(r["loss"], r["grad_norm"]) for r in continued] == [(r["loss"], r["grad_norm"]) for r in reference]
+
+
+@pytest.mark.parametrize("source,name", [("1f1b", "one"), ("one", "1f1b"), ("one_tied", "1f1b_tied")])
+def test_checkpoints_reshard_between_pp2_and_one_process(runs, source, name, assert_close_series):
+    straight = runs.get(source)
+    resumed = runs.get(name, f"resume={straight}/checkpoints/step_3", key=f"{name}_from_{source}")
+    continued = read_metrics(resumed)[0]
+    assert [r["step"] for r in continued] == [4, 5, 6]
+    assert_close_series(continued, read_metrics(straight)[0][3:], "loss", 1e-5, 1e-5)
+    assert_close_series(continued, read_metrics(straight)[0][3:], "grad_norm", 1e-5, 1e-5)
+
+
+def test_hf_export_is_the_whole_model(runs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ours = AutoModelForCausalLM.from_pretrained(runs.get("1f1b") / "hf").state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(runs.get("one") / "hf").state_dict()
+    assert sorted(ours) == sorted(reference) and any(".layers.3." in key for key in ours)
+    for key, value in reference.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-5, msg=key)
