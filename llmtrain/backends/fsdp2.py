@@ -189,6 +189,15 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+def clip_to_norm(model: torch.nn.Module, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale every gradient so their total norm `norm` (measured once, over every mesh) becomes at most max_norm
+    (0: no clipping); clip_grads_with_norm_ works on one mesh's DTensors at a time."""
+    if max_norm > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        for group in _by_mesh(params).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+
+
 def split_groups_by_mesh(groups: list[dict]) -> list[dict]:
     """AdamW groups (decay / no decay) split further so no group mixes DTensor meshes."""
     return [{**group, "params": params} for group in groups
@@ -269,11 +278,7 @@ class FSDP2Engine(ScaledOptimizerSteps):
         self.scaler.unscale_(self.optimizer)
         self._measure_after_step(self._grads())
         norm = total_grad_norm(self._grads())
-        max_norm = self.optim_spec.max_grad_norm
-        if max_norm > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            for group in _by_mesh(params).values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        clip_to_norm(self.model, self.optim_spec.max_grad_norm, norm)
         return norm
 
     # ---- checkpoints: torch.distributed.checkpoint, one shard file per rank ------------------------

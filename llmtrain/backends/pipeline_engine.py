@@ -38,7 +38,7 @@ from llmtrain.backends.base import OptimizerSpec, autocast_dtype, build_schedule
 from llmtrain.backends.fsdp2 import (
     FSDP2Backend,
     FSDP2Engine,
-    _by_mesh,
+    clip_to_norm,
     ranks_on_meta,
     split_groups_by_mesh,
     total_grad_norm,
@@ -271,11 +271,7 @@ class PipelineEngine(FSDP2Engine):
         self._measure_after_step(grads)
         local = total_grad_norm(grads) if grads else torch.zeros((), device=self.ctx.device)
         norm = all_reduce_sum(local.double().pow(2).reshape(1), self.pp_group).sqrt()[0].to(local.dtype)
-        max_norm = self.optim_spec.max_grad_norm
-        if max_norm > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            for group in _by_mesh(params).values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        clip_to_norm(self.model, self.optim_spec.max_grad_norm, norm)
         return norm
 
     @contextlib.contextmanager
