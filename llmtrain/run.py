@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
+from llmtrain.backends.spec import sp_of
 from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.data.sequence_shard import sequence_preparer
@@ -36,7 +37,6 @@ from llmtrain.plan import RunPlan, check_backend_against_model, plan_run
 from llmtrain.plan_fit import run_fit_problems
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
-from llmtrain.sequence_parallel import sp_degree
 from llmtrain.stages.base import trainable_roles
 from llmtrain.stages.registry import build_stage, load_stage_data, stage_roles, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
@@ -108,7 +108,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         log.info("plan:\n%s", plan.text)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
     attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
-    attn = SEGMENT_ATTENTION if sp_degree(cfg.backend) > 1 else attn  # Ulysses wraps sdpa_segments (validated)
+    attn = SEGMENT_ATTENTION if sp_of(cfg.backend) > 1 else attn  # Ulysses wraps sdpa_segments (validated)
     configs = [model_config(r.source.name_or_path, r.source.from_config, r.source.config_path,
                             r.source.trust_remote_code, vocab_size=len(tokenizer)) for r in stage_roles(cfg).values()]
     attn = attention_for_family(attn, m.attn_implementation, configs)  # what each role's class supports (Gemma-2)

@@ -14,14 +14,9 @@ from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 SP_ATTENTIONS = ("auto", SEGMENT_ATTENTION)  # the attention run on whole rows after the exchange
 
 
-def sp_degree(backend: Any) -> int:
-    """backend.sp; 1 for a backend without the field (ddp: refused by name when set, backends.misplaced_key_message)."""
-    return sp_of(backend)
-
-
 def sp_problems(cfg: Any) -> list[str]:
     """The stage, the attention and the model family under backend.sp > 1."""
-    sp = sp_degree(cfg.backend)
+    sp = sp_of(cfg.backend)  # 1 for a backend without the field (ddp)
     if sp == 1 or cfg.stage.name not in stage_names():
         return []
     spec, problems = stage_spec(cfg.stage.name), []

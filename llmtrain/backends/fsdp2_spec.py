@@ -72,9 +72,10 @@ def _pipeline_model_problems(backend: Any, arch: Any) -> list[str]:
     if _pp(backend) <= 1:
         return []
     from llmtrain.backends.pipeline import has_layer_stack
+    from llmtrain.models.moe import expert_count
 
-    experts = getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0
-    return pipeline_model_problems(backend, arch.num_hidden_layers, experts, arch.model_type, has_layer_stack(arch))
+    return pipeline_model_problems(backend, arch.num_hidden_layers, expert_count(arch) or 0, arch.model_type,
+                                   has_layer_stack(arch))
 
 
 def _tp_model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:

@@ -29,13 +29,18 @@ class Router:
     coef: float  # the config's router_aux_loss_coef
 
 
+def expert_count(config) -> int | None:
+    """A transformers config's expert count (Mixtral's num_local_experts, Qwen-MoE's num_experts); None: dense."""
+    return next((getattr(config, f) for f in EXPERT_FIELDS if getattr(config, f, None)), None)
+
+
 def router_of(module: torch.nn.Module) -> Router | None:
     """The router settings of a (wrapped: DDP, DeepSpeed, peft) MoE causal LM; None for a dense model."""
     while not isinstance(getattr(module, "config", None), PretrainedConfig) and hasattr(module, "module"):
         module = module.module  # DDP, DeepSpeed (whose own `config` is its json); peft forwards `config`
     config = getattr(module, "config", None)
     coef = getattr(config, "router_aux_loss_coef", None)
-    experts = next((getattr(config, f) for f in EXPERT_FIELDS if getattr(config, f, None)), None)
+    experts = expert_count(config)
     if coef is None or experts is None or not getattr(config, "num_experts_per_tok", None):
         return None
     return Router(int(experts), int(config.num_experts_per_tok), float(coef))

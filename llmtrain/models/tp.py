@@ -77,17 +77,13 @@ def tp_plan_problems(arch: Any, tp: int) -> list[str]:
         return [f"backend.tp={tp}: model_type {arch.model_type!r}'s tensor-parallel plan uses style(s) "
                 f"{', '.join(unknown)}, which llmtrain does not map (only {', '.join(SUPPORTED_STYLES)}); "
                 f"use {WORKING_BACKENDS}"]
+    from llmtrain.models.moe import expert_count
+
     experts = expert_count(arch)
     if EXPERTS_STYLE in plan.values() and experts and experts % tp:
         return [f"backend.tp={tp} must divide the model's {experts} experts ({arch.model_type}: each tp rank holds "
                 f"experts/tp whole experts); pick a tp that divides {experts}, or {WORKING_BACKENDS}"]
     return []
-
-
-def expert_count(arch: Any) -> int | None:
-    from llmtrain.models.moe import EXPERT_FIELDS
-
-    return next((getattr(arch, field) for field in EXPERT_FIELDS if getattr(arch, field, None)), None)
 
 
 def module_plan(plan: dict[str, str]) -> dict[str, str]:

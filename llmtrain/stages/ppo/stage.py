@@ -189,8 +189,10 @@ class PPOStage(Stage):
             shaped = self.shaping.apply(raw, rollout.ended, rollout.action_mask.sum(-1))
             rounds.append((gather_rollout(rollout, shaped, actor.dp_group), all_gather_rows(raw, actor.dp_group),
                            function_means))
+            if not self.filter_max_rounds:
+                break
             varied = varied_groups(torch.cat([r[0].scores for r in rounds]), n)
-            if not self.filter_max_rounds or int(varied.sum()) >= self.prompts_per_step:
+            if int(varied.sum()) >= self.prompts_per_step:
                 break
         gathered = concat_experiences([r[0] for r in rounds], self.tokenizer.pad_token_id)
         raw = torch.cat([r[1] for r in rounds])
