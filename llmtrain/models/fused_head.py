@@ -96,7 +96,8 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def chunk_values(z: torch.Tensor, targets: torch.Tensor, s: ChunkSettings):
     """z (n, V) fp32, targets (n,) -> (log p (n,), log-softmax (n, V), entropy (n,) or None, correct (n,) or None).
-    The same operations as the unfused reference (log-softmax, then gather), so the two agree to the last bits."""
+    The same operations as the unfused reference (log-softmax, then gather), so the two agree to rounding (bitwise
+    where the CPU's vectorised kernels round a (chunk, V) tensor as they round the whole (N, V))."""
     valid = targets != IGNORE_INDEX
     log_probs = F.log_softmax(z, dim=-1)  # (n, V)
     picked = log_probs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)

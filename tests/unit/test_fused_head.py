@@ -78,7 +78,12 @@ def test_chunked_functions_equal_the_full_logits(temperature, softcap, with_bias
     logp, entropy, correct = unfused(hidden, weight, bias, targets, temperature, softcap)
     settings = ChunkSettings(CHUNK, temperature, softcap, entropy=True, accuracy=True)
     out = ChunkedTokenLogps.apply(hidden, weight, bias, targets, settings)  # (n, 3)
-    assert torch.equal(out[:, 0], logp) and torch.equal(out[:, 1], entropy) and torch.equal(out[:, 2].bool(), correct)
+    # the same operations on a (chunk, V) as on an (n, V) tensor; the CPU's vectorised kernels (the entropy's sum
+    # over V, tanh under softcapping) may still round one element differently by shape (measured: 1 ulp on an AMD
+    # EPYC, bitwise on others), so log p and entropy are held to the 1e-6 of the rest
+    assert torch.equal(out[:, 2].bool(), correct)
+    assert_rel(out[:, 0], logp)
+    assert_rel(out[:, 1], entropy)
     upstream = torch.randn(n, 3, generator=g)  # a different gradient for every token and output
     expected = torch.autograd.grad((logp * upstream[:, 0] + entropy * upstream[:, 1]).sum(), inputs,
                                    retain_graph=True)
@@ -91,7 +96,8 @@ def test_chunked_functions_equal_the_full_logits(temperature, softcap, with_bias
 
     packed = ChunkedTokenLoss.apply(hidden, weight, bias, targets, settings, True, token_loss)  # (n, 3)
     expected_loss = token_loss(slice(0, n), logp, entropy)
-    assert torch.equal(packed[:, 0], logp) and torch.equal(packed[:, 1], entropy)
+    assert_rel(packed[:, 0], logp)
+    assert_rel(packed[:, 1], entropy)
     assert_rel(packed[0, 2], expected_loss)
     expected = torch.autograd.grad(expected_loss * 0.3, inputs)
     for ours, theirs in zip(torch.autograd.grad(packed[0, 2] * 0.3, inputs), expected):
@@ -168,9 +174,9 @@ def step_and_eval(name, tokenizer, fused: bool, packed: bool):
 
 
 def metric_scale(record: dict, key: str) -> float:
-    """What a metric's difference is judged against: itself, but β·(π − ref) rewards, differences of near-equal
-    log-prob sums, against those sums."""
-    if key.startswith("reward_") and "logp_chosen" in record:
+    """What a metric's difference is judged against: itself, but β·(π − ref) rewards and ORPO's log odds ratio,
+    differences of near-equal log-prob terms, against those terms."""
+    if (key.startswith("reward_") or key == "log_odds_chosen") and "logp_chosen" in record:
         return max(abs(record["logp_chosen"]), abs(record["logp_rejected"]), abs(record[key]))
     return max(abs(record[key]), 1e-12)
 
