@@ -1,7 +1,7 @@
-"""The vocab-sharded fused head (models/vocab_parallel.py): the rows each tp rank holds, and two real gloo ranks (spawned
-processes, no torchrun) each holding half of an odd vocabulary, whose chunked log p, entropy, argmax hits, summed loss
-and gradients (hidden states and each rank's weight and bias rows) equal the autograd computation on the full logits
-in one process; the plain forward's gathered logits equal the whole Linear's."""
+"""The vocab-sharded fused head (models/vocab_parallel.py): the rows each tp rank holds, and two real gloo ranks
+(spawned processes, no torchrun) each holding part of an odd vocabulary, whose chunked log p, entropy, argmax hits,
+summed loss and gradients (hidden states and each rank's weight and bias rows) equal the autograd computation on the
+full logits in one process; the plain forward's gathered logits equal the whole Linear's."""
 
 from __future__ import annotations
 
