@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.losses.lm import IGNORE_INDEX
+from llmtrain.models import liger
 from llmtrain.models.vocab_parallel import VocabShard, gathered_logits, local_head, owned_columns, sharded_chunk_values
 
 SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: logits = c · tanh(logits / c)
@@ -280,6 +281,7 @@ class FusedHeadMixin:
     query: HeadQuery | None = None
     chunk_tokens: int = 0  # 0: default_chunk_tokens(V, h)
     softcap: float | None = None
+    kernel: str = "chunked"  # the summed loss's: "liger" where models/liger.computes the query, else chunked
     verified: bool = False  # the model returned this head's output unchanged once
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden (B, K, h)
@@ -293,7 +295,9 @@ class FusedHeadMixin:
         settings = ChunkSettings(self.chunk_tokens or default_chunk_tokens(self.out_features, self.in_features),
                                  query.temperature, self.softcap, query.entropy, query.accuracy, shard)
         flat, targets = hidden.flatten(0, 1), query.targets.flatten()
-        if query.token_loss is not None:
+        if self.kernel == "liger" and liger.computes(query, shard):
+            out = liger.liger_loss_rows(flat, weight, bias, targets, self.softcap, compute_dtype(flat, weight))
+        elif query.token_loss is not None:
             needs_grad = torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)
             out = ChunkedTokenLoss.apply(flat, weight, bias, targets, settings, needs_grad, query.token_loss)
         else:
@@ -304,9 +308,9 @@ class FusedHeadMixin:
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def install(model: torch.nn.Module, chunk_tokens: int = 0) -> bool:
+def install(model: torch.nn.Module, chunk_tokens: int = 0, kernel: str = "chunked") -> bool:
     """Give a causal LM's output head the fused forward (in place). False when its head is not a plain Linear
-    (then the caller keeps the unfused path)."""
+    (then the caller keeps the unfused path). kernel "liger": the causal-LM sum through Liger (models/liger.py)."""
     head = model.get_output_embeddings()
     if isinstance(head, FusedHeadMixin):
         return True
@@ -316,7 +320,7 @@ def install(model: torch.nn.Module, chunk_tokens: int = 0) -> bool:
     if base not in _FUSED_CLASSES:
         _FUSED_CLASSES[base] = type(f"Fused{base.__name__}", (FusedHeadMixin, base), {})
     head.__class__ = _FUSED_CLASSES[base]
-    head.chunk_tokens = chunk_tokens
+    head.chunk_tokens, head.kernel = chunk_tokens, kernel
     head.softcap = getattr(model.config, SOFTCAP_FIELD, None)
     head.family_config = model.config  # the model reads its softcap from here at forward time
     return True
