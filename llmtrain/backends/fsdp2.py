@@ -70,6 +70,7 @@ from llmtrain.backends.base import (
     save_frozen,
     save_hf,
 )
+from llmtrain.models.fused_head import fused_head_of
 from llmtrain.models.lora import unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.models.vocab_parallel import shard_head_over_vocab
@@ -88,7 +89,8 @@ def apply_tp(model: torch.nn.Module, dims: ParallelDims) -> None:
     """The family's plan on the decoder layers; the fused LM head (model.fused_loss on) split over the vocabulary."""
     if dims.tp > 1:
         apply_tp_plan(unwrap_peft(model), dims.mesh("tp"), model.config)
-        shard_head_over_vocab(unwrap_peft(model), dims.mesh("tp"))
+        if fused_head_of(model) is not None:  # model.fused_loss=off: the head stays whole, full logits
+            shard_head_over_vocab(unwrap_peft(model), dims.mesh("tp"))
 
 
 def apply_compile(blocks: list[torch.nn.Module]) -> None:

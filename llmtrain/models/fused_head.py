@@ -281,7 +281,7 @@ class FusedHeadMixin:
     query: HeadQuery | None = None
     chunk_tokens: int = 0  # 0: default_chunk_tokens(V, h)
     softcap: float | None = None
-    kernel: str = "chunked"  # the summed loss's: "liger" where models/liger.computes the query, else chunked
+    kernel: str = "chunked"  # the summed loss's: "liger" where liger_computes(query), else chunked (models/liger.py)
     verified: bool = False  # the model returned this head's output unchanged once
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden (B, K, h)
@@ -295,7 +295,7 @@ class FusedHeadMixin:
         settings = ChunkSettings(self.chunk_tokens or default_chunk_tokens(self.out_features, self.in_features),
                                  query.temperature, self.softcap, query.entropy, query.accuracy, shard)
         flat, targets = hidden.flatten(0, 1), query.targets.flatten()
-        if self.kernel == "liger" and liger.computes(query, shard):
+        if self.kernel == "liger" and liger_computes(query, shard):
             out = liger.liger_loss_rows(flat, weight, bias, targets, self.softcap, compute_dtype(flat, weight))
         elif query.token_loss is not None:
             needs_grad = torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)
@@ -303,6 +303,13 @@ class FusedHeadMixin:
         else:
             out = ChunkedTokenLogps.apply(flat, weight, bias, targets, settings)
         return out.view(*hidden.shape[:2], 3)
+
+
+def liger_computes(query: HeadQuery, shard: VocabShard | None) -> bool:
+    """What Liger's kernel computes (models/liger.py): the causal-LM sum at temperature 1 without entropy, on a head
+    holding the whole vocabulary."""
+    return (query.token_loss is negative_log_likelihood and query.temperature == 1.0 and not query.entropy
+            and shard is None)
 
 
 _FUSED_CLASSES: dict[type, type] = {}

@@ -71,14 +71,6 @@ def fused_loss_problems(cfg: Any, device_type: str, lm_loss_sum: bool) -> list[s
     return liger_problems(device_type, tp, cfg.stage.name, lm_loss_sum, liger_installed())
 
 
-def computes(query, shard) -> bool:
-    """The query is the causal-LM sum at temperature 1 without entropy, on a head holding the whole vocabulary."""
-    from llmtrain.models.fused_head import negative_log_likelihood
-
-    return (query.token_loss is negative_log_likelihood and query.temperature == 1.0 and not query.entropy
-            and shard is None)
-
-
 def liger_loss_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                     softcap: float | None, dtype: torch.dtype) -> torch.Tensor:
     """hidden (N, h), weight (V, h), bias (V,) | None, targets (N,) -> (N, 3) fp32 in the fused head's layout: zeros

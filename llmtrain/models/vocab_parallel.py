@@ -115,15 +115,12 @@ def is_tied(model: torch.nn.Module) -> bool:
 
 
 def shard_head_over_vocab(model: torch.nn.Module, tp_mesh) -> bool:
-    """Split the fused LM head's rows over `tp_mesh` in place (module docstring). False (nothing done) when the
-    model has no fused head (model.fused_loss=off: full logits from a replicated head) or its head is tied."""
+    """Split the fused LM head's rows over `tp_mesh` in place (module docstring; the caller checks that the head is
+    the fused one: with model.fused_loss=off it stays a replicated Linear computing full logits). False (nothing done)
+    when the head is tied to the embedding."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from llmtrain.models.fused_head import FusedHeadMixin
-
     head = model.get_output_embeddings()
-    if not isinstance(head, FusedHeadMixin):
-        return False
     if is_tied(model):
         log.info("tp=%d: the LM head is tied to the input embedding: kept replicated over tp (each tp rank computes "
                  "every logit of a chunk)", tp_mesh.size())

@@ -10,7 +10,8 @@ import torch
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood
-from llmtrain.models.liger import computes, head_kernel
+from llmtrain.models.fused_head import liger_computes as computes
+from llmtrain.models.liger import head_kernel
 from llmtrain.models.vocab_parallel import VocabShard
 from llmtrain.validation import validate
 
