@@ -121,17 +121,22 @@ def shard_head_over_vocab(model: torch.nn.Module, tp_mesh) -> bool:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     head = model.get_output_embeddings()
+    tp = tp_mesh.size()
     if is_tied(model):
         log.info("tp=%d: the LM head is tied to the input embedding: kept replicated over tp (each tp rank computes "
-                 "every logit of a chunk)", tp_mesh.size())
+                 "every logit of a chunk)", tp)
+        return False
+    if shard_rows(head.out_features, tp, tp - 1)[1] == 0:  # torch.chunk would leave the last rank no row
+        log.info("tp=%d: the LM head's %d rows leave the last tp rank none: kept replicated over tp", tp,
+                 head.out_features)
         return False
     for name in ("weight", "bias"):
         param = getattr(head, name)
         if param is not None:
             sharded = distribute_tensor(param, tp_mesh, (Shard(0),), src_data_rank=None)
             head.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
-    start, rows = shard_rows(head.out_features, tp_mesh.size(), tp_mesh.get_local_rank())
+    start, rows = shard_rows(head.out_features, tp, tp_mesh.get_local_rank())
     head.vocab_shard = VocabShard(start, rows, head.out_features, tp_mesh, tp_mesh.get_group())
-    log.info("tp=%d: LM head split over the vocabulary, %d of %d rows per rank (vocab-parallel loss)",
-             tp_mesh.size(), rows, head.out_features)
+    log.info("tp=%d: LM head split over the vocabulary, %d of %d rows per rank (vocab-parallel loss)", tp, rows,
+             head.out_features)
     return True
