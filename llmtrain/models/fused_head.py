@@ -70,6 +70,8 @@ class HeadQuery:
 
 @dataclass
 class HeadAnswer:
+    """With a token_loss, logps and entropy are values only; under Liger (liger_computes) they are zeros: Liger
+    returns the summed loss alone, and the causal-LM stage reads nothing else from its training query."""
     logps: torch.Tensor | None = None  # (B, K) fp32 log p(target), 0 where ignored
     entropy: torch.Tensor | None = None  # (B, K) fp32 entropy of softmax(logits / T)
     correct: torch.Tensor | None = None  # (B, K) bool argmax == target, on targets
