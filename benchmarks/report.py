@@ -107,10 +107,12 @@ def targets(summary: dict) -> dict:
 # ---- backends: formulas (fp32 Adam: weights 4M, grads 4M, moments 8M; M parameters, N ranks) ----------------
 
 def tp_sharded_params() -> int:
-    """Parameters the tensor-parallel plan splits (q/k/v/o, gate/up/down of every block)."""
+    """Parameters tensor parallelism splits: q/k/v/o, gate/up/down of every block, and the untied LM head, split over
+    the vocabulary under the fused loss (the default; llmtrain/models/vocab_parallel.py)."""
     h, i, L = C.MODEL["hidden_size"], C.MODEL["intermediate_size"], C.MODEL["num_hidden_layers"]
     kv = C.MODEL["num_key_value_heads"] * h // C.MODEL["num_attention_heads"]
-    return L * (2 * h * h + 2 * h * kv + 3 * h * i)
+    head = 0 if C.MODEL.get("tie_word_embeddings", True) else len(C.tokenizer()) * h
+    return L * (2 * h * h + 2 * h * kv + 3 * h * i) + head
 
 
 def base_backend(name: str) -> str:

@@ -54,8 +54,9 @@ class ModelConfig:
     activation_checkpointing: bool = False
     dropout: float = 0.0
     trust_remote_code: bool = False
-    fused_loss: str = "auto"  # auto | chunked | off: the LM head and the loss computed together over chunks of
-    # tokens (no (tokens, V) logits); auto: chunked (a GPU kernel is not wired in yet); off: full logits
+    fused_loss: str = "auto"  # auto | chunked | liger | off: the LM head and the loss computed together over chunks
+    # of tokens (no (tokens, V) logits); liger: Liger Kernel's fused linear cross-entropy for the causal-LM sum (CUDA,
+    # liger_kernel installed, no tp: models/liger.py); auto: liger where it can run, else chunked; off: full logits
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head; 0: chosen from the vocabulary and hidden size
 
 
@@ -160,7 +161,7 @@ CHOICES = {  # the schema's own fields; the registries' names (stage, backend, d
     "device": ("auto", "cpu", "cuda"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "data.overlong": ("truncate", "drop", "chunk"),
-    "model.fused_loss": ("auto", "chunked", "off"),
+    "model.fused_loss": ("auto", "chunked", "liger", "off"),
 }
 OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
 

@@ -55,10 +55,11 @@ USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets,
 
 
 def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False,
-                scalar_head: bool = False) -> RoleParams:
+                scalar_head: bool = False, head_split: int = 1) -> RoleParams:
     """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen; a view
     (LoRA's reference: the policy with adapters disabled) holds nothing of its own; a scalar head (reward model,
-    critic) replaces an untied LM head with a (1, hidden) score.
+    critic) replaces an untied LM head with a (1, hidden) score. head_split > 1: the LM head's rows are split over
+    tp as the TP plan's layers are (vocab_split).
     The numbers only: metrics/cost.py takes any (trainable, frozen) pair, so a LoRA counter elsewhere plugs in."""
     params = facts.params - facts.head + facts.hidden if scalar_head else facts.params
     t, f = (lora, params) if trainable and lora else (params, 0) if trainable else (0, params)
@@ -68,7 +69,8 @@ def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, v
     persistent = sum(n for n in numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
     working, regathered = layout.backend.gathers(layout, facts)  # at once; again in backward (ZeRO-3's trace)
     regathered = regathered if t or f else None
-    return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=facts.tp_params / facts.params,
+    tp_params = facts.tp_params + (facts.head if head_split > 1 else 0)
+    return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=tp_params / facts.params,
                       working=working, regathered=regathered, block_fraction=facts.layers * facts.block / facts.params)
 
 
@@ -149,18 +151,27 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     act = activation_bytes(rows, seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
                            tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
                            softcapping=f.softcapping)
-    return trainable * act, trainable * head_bytes(st, rows, seq)[1]
+    return trainable * act, trainable * head_bytes(st, rows, seq, vocab_split(st, layout))[1]
 
 
-def head_bytes(st: Setting, rows: int, seq: int) -> tuple[float, float]:
+def vocab_split(st: Setting, layout: Layout, role: str | None = None) -> int:
+    """The tp ranks the LM head's rows are split over (models/vocab_parallel.py): the fused head (model.fused_loss
+    on), untied, on a layout that splits it (FSDP2 with tp, no pp); 1 for full logits, a tied head, a scalar head."""
+    if st.head_chunk is None or not st.facts.head or role in st.scalar_heads:
+        return 1
+    return layout.head_tp
+
+
+def head_bytes(st: Setting, rows: int, seq: int, split: int = 1) -> tuple[float, float]:
     """The LM head and loss of one forward: (what autograd holds to the backward, the peak). Full logits: b·s·V·4
-    both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes. RL sends only the response
-    positions to the head (logits_to_keep)."""
+    both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes, with ⌈V/tp⌉ rows per rank when
+    the head is split over the vocabulary (`split`: each chunk's logits, the held weight gradient). RL sends only the
+    response positions to the head (logits_to_keep)."""
     seq = min(seq, st.head_positions or seq)
     if not st.fused_head:
         full = logits_bytes(rows, seq, st.logits_vocab)
         return full, full
-    return fused_head_bytes(rows, seq, st.logits_vocab, st.facts.hidden, st.head_chunk, st.head_loss_sum)
+    return fused_head_bytes(rows, seq, -(-st.logits_vocab // split), st.facts.hidden, st.head_chunk, st.head_loss_sum)
 
 
 def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 << 16) -> int:
@@ -178,7 +189,8 @@ def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 <
 
 def plan_row(st: Setting, layout: Layout) -> Row:
     f, on_gpu = st.facts, st.gpu.name != "cpu"
-    params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads), trainable)
+    params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads,
+                                 vocab_split(st, layout, role)), trainable)
               for role, trainable in st.roles.items()}
     states = {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
     fixed = sum(s.device for s in states.values())
@@ -316,8 +328,9 @@ def head_line(st: Setting) -> str:
     if not st.fused_head:
         return full
     held = " + (b·s·h + V·h)·4 held gradients" if st.head_loss_sum else ""
+    split = ", ⌈V/tp⌉ rows per rank under backend.tp (the logits column)" if st.facts.head else ""
     return (f"LM head and loss fused over chunks of {st.head_chunk} tokens: 3·c·V·4{held} = "
-            f"{_size(head_bytes(st, rows, st.seq)[1])} GiB (model.fused_loss=off: {full})")
+            f"{_size(head_bytes(st, rows, st.seq)[1])} GiB{split} (model.fused_loss=off: {full})")
 
 
 def header(st: Setting) -> list[str]:
@@ -509,7 +522,7 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures
         return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
                                  elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads,
                                  softcapping=facts.softcapping)
-                + head_bytes(st, rows, seq)[0])
+                + head_bytes(st, rows, seq, vocab_split(st, row.layout))[0])
 
     model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
     recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0

@@ -29,6 +29,7 @@ class ModelOptions:
     dropout: float
     activation_checkpointing: bool
     fused_head_chunk: int | None = None  # the fused LM head and loss (0: default chunk size); None: full logits
+    fused_head_kernel: str = "chunked"  # its summed loss: "chunked" or "liger" (models/liger.py)
 
 
 def check_same_data_parallel(layouts: dict[str, tuple[int, int]]) -> None:
@@ -67,7 +68,8 @@ def build_engines(roles: dict[str, RoleSpec], backend, tokenizer, options: Model
                                 activation_checkpointing=options.activation_checkpointing and spec.trainable,
                                 trust_remote_code=src.trust_remote_code, head=spec.head, seed=seed,
                                 gather=backend.gathered_for_init, lora=lora if spec.trainable else None,
-                                fused_head_chunk=options.fused_head_chunk)
+                                fused_head_chunk=options.fused_head_chunk,
+                                fused_head_kernel=options.fused_head_kernel)
         role_optim = replace(optim, lr=spec.lr) if spec.lr is not None else optim
         engines[role] = backend.wrap(model, role_optim if spec.trainable else None)
         log.debug("role %s: %s, %s", role, type(model).__name__, "trainable" if spec.trainable else "frozen")

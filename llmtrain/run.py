@@ -23,6 +23,7 @@ from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
+from llmtrain.models.liger import head_kernel, liger_installed
 from llmtrain.models.load import (
     attention_for_family,
     load_tokenizer,
@@ -127,7 +128,7 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     sp_rank, sp, model_attn = sequence_parallel_attention(backend, attn)
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
-                            ModelOptions(model_attn, m.dropout, m.activation_checkpointing, fused_head_chunk(m, ctx)),
+                            ModelOptions(model_attn, m.dropout, m.activation_checkpointing, *fused_head(cfg, ctx)),
                             t.seed, optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
     prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp)
     engines = stage.prepare(engines, data, prepare_batch)
@@ -191,16 +192,20 @@ def packs_rows(cfg: DictConfig, attn: str) -> bool:
     return cfg.data.packing or (stage_spec(cfg.stage.name).pairs and attn in FLEX_IMPLEMENTATIONS)
 
 
-def fused_head_chunk(m: DictConfig, ctx: DistContext) -> int | None:
-    """model.fused_loss -> the fused head's chunk tokens (0: chosen from V and h), or None for full logits."""
+def fused_head(cfg: DictConfig, ctx: DistContext) -> tuple[int | None, str]:
+    """model.fused_loss -> (the fused head's chunk tokens (0: chosen from V and h) or None for full logits, the
+    kernel of its summed loss: "chunked" or "liger", models/liger.py)."""
+    m = cfg.model
     if m.fused_loss == "off":
         if ctx.is_main:
             log.info("LM head and loss: full (tokens, V) logits (model.fused_loss=off)")
-        return None
+        return None, "chunked"
+    kernel, why = head_kernel(m.fused_loss, ctx.device.type, getattr(cfg.backend, "tp", 1) or 1, cfg.stage.name,
+                              stage_spec(cfg.stage.name).lm_loss_sum, liger_installed())
     if ctx.is_main:
         chunk = m.loss_chunk_tokens or "V- and h-sized"
-        log.info("LM head and loss: fused, over chunks of %s tokens (model.fused_loss=%s)", chunk, m.fused_loss)
-    return m.loss_chunk_tokens
+        log.info("LM head and loss: fused, over chunks of %s tokens; summed loss: %s (%s)", chunk, kernel, why)
+    return m.loss_chunk_tokens, kernel
 
 
 def sequence_parallel_attention(backend, attn: str) -> tuple[int, int, str]:

@@ -14,6 +14,7 @@ from llmtrain.backends.pipeline_checks import run_problems as pipeline_problems
 from llmtrain.config import ConfigError, batch_problems, choice_problems, schema_problems
 from llmtrain.data.formats import FORMATS
 from llmtrain.data.prompts import PROMPT_FORMATS
+from llmtrain.models.liger import fused_loss_problems
 from llmtrain.models.load import family_attention_problems, local_model_config
 from llmtrain.models.lora_checks import PEFT_METHODS, peft_problems, qlora_problems
 from llmtrain.sequence_parallel import sp_problems
@@ -48,7 +49,17 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += attention_problems(cfg)
     problems += sp_problems(cfg)
     problems += pipeline_problems(cfg, stage_spec(cfg.stage.name))
+    problems += head_problems(cfg)
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
+
+
+def head_problems(cfg: Any) -> list[str]:
+    """An explicit model.fused_loss=liger this device, layout or stage cannot run (models/liger.py)."""
+    if cfg.stage.name not in stage_names():
+        return []
+    from llmtrain.parallel import resolve_device
+
+    return fused_loss_problems(cfg, resolve_device(cfg.device).type, stage_spec(cfg.stage.name).lm_loss_sum)
 
 
 def attention_problems(cfg: Any) -> list[str]:

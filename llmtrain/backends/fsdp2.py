@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`) on a named DeviceMesh, with optional tensor parallelism: dp × tp, and HSDP.
 
 `parallelize()` applies, in this order (torchtitan's):
-  1. apply_tp      — transformers' TP plan on the "tp" mesh: q/k/v/gate/up colwise, o/down rowwise.
+  1. apply_tp      — transformers' TP plan on the "tp" mesh: q/k/v/gate/up colwise, o/down rowwise; the fused
+                     LM head's rows split over the vocabulary (models/vocab_parallel.py).
                      TP comes first because it replaces Linear weights by DTensors; FSDP then shards
                      those DTensors once more along dim 0 on the dp mesh (2-D (dp, tp) DTensors). The
                      other way round FSDP would gather full weights that TP then slices again.
@@ -69,8 +70,10 @@ from llmtrain.backends.base import (
     save_frozen,
     save_hf,
 )
+from llmtrain.models.fused_head import fused_head_of
 from llmtrain.models.lora import unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
+from llmtrain.models.vocab_parallel import shard_head_over_vocab
 from llmtrain.parallel import DistContext, ParallelDims
 
 log = logging.getLogger(__name__)
@@ -83,8 +86,11 @@ DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # ---- parallelize: the fixed order ---------------------------------------------------------------
 
 def apply_tp(model: torch.nn.Module, dims: ParallelDims) -> None:
+    """The family's plan on the decoder layers; the fused LM head (model.fused_loss on) split over the vocabulary."""
     if dims.tp > 1:
         apply_tp_plan(unwrap_peft(model), dims.mesh("tp"), model.config)
+        if fused_head_of(model) is not None:  # model.fused_loss=off: the head stays whole, full logits
+            shard_head_over_vocab(unwrap_peft(model), dims.mesh("tp"))
 
 
 def apply_compile(blocks: list[torch.nn.Module]) -> None:

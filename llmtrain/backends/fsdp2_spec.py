@@ -151,7 +151,8 @@ def gathers(lay: Layout, facts: Any) -> tuple[int, float | None]:
 def layout(name: str, backend: FSDP2Config, dims: ParallelDims, hidden: int) -> Layout:
     return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp, sp=dims.sp,
                   offload_param="cpu" if backend.cpu_offload else "none",
-                  reshard_after_forward=backend.reshard_after_forward)
+                  reshard_after_forward=backend.reshard_after_forward,
+                  head_tp=dims.tp if dims.pp == 1 else 1)  # the pipeline keeps its last stage's head whole
 
 
 SPEC = BackendSpec(name="fsdp2", engine="llmtrain.backends.pipeline_engine:FSDP2PipelineBackend",

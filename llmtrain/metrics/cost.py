@@ -31,6 +31,7 @@ class Layout:
     offload_param: str = "none"  # none | cpu | nvme (FSDP2 cpu_offload: cpu)
     persistence_threshold: int = 0  # ZeRO-3: parameters with numel <= this stay whole on every rank
     reshard_after_forward: bool = True  # FSDP2: blocks resharded after forward (gathered again for backward)
+    head_tp: int = 1  # tp ranks a fused, untied LM head's rows are split over (FSDP2 with tp, no pp: vocab_parallel)
 
 
     @property

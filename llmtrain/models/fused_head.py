@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.losses.lm import IGNORE_INDEX
+from llmtrain.models import liger
+from llmtrain.models.vocab_parallel import VocabShard, gathered_logits, local_head, owned_columns, sharded_chunk_values
 
 SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: logits = c · tanh(logits / c)
 
@@ -68,6 +70,8 @@ class HeadQuery:
 
 @dataclass
 class HeadAnswer:
+    """With a token_loss, logps and entropy are values only; under Liger (liger_computes) they are zeros: Liger
+    returns the summed loss alone, and the causal-LM stage reads nothing else from its training query."""
     logps: torch.Tensor | None = None  # (B, K) fp32 log p(target), 0 where ignored
     entropy: torch.Tensor | None = None  # (B, K) fp32 entropy of softmax(logits / T)
     correct: torch.Tensor | None = None  # (B, K) bool argmax == target, on targets
@@ -83,6 +87,7 @@ class ChunkSettings:
     softcap: float | None
     entropy: bool
     accuracy: bool
+    shard: VocabShard | None = None  # the head's rows split over tp (models/vocab_parallel.py); None: all V here
 
 
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -97,7 +102,10 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def chunk_values(z: torch.Tensor, targets: torch.Tensor, s: ChunkSettings):
     """z (n, V) fp32, targets (n,) -> (log p (n,), log-softmax (n, V), entropy (n,) or None, correct (n,) or None).
     The same operations as the unfused reference (log-softmax, then gather), so the two agree to rounding (bitwise
-    where the CPU's vectorised kernels round a (chunk, V) tensor as they round the whole (N, V))."""
+    where the CPU's vectorised kernels round a (chunk, V) tensor as they round the whole (N, V)).
+    Vocab-sharded (s.shard): z holds this rank's V/tp columns, the values are over the whole vocabulary."""
+    if s.shard is not None:
+        return sharded_chunk_values(z, targets, s.shard, s.entropy, s.accuracy)
     valid = targets != IGNORE_INDEX
     log_probs = F.log_softmax(z, dim=-1)  # (n, V)
     picked = log_probs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -108,17 +116,20 @@ def chunk_values(z: torch.Tensor, targets: torch.Tensor, s: ChunkSettings):
 
 
 def chunk_grad_z(log_probs: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor,
-                 grad_entropy: torch.Tensor | None, entropy: torch.Tensor | None) -> torch.Tensor:
+                 grad_entropy: torch.Tensor | None, entropy: torch.Tensor | None,
+                 shard: VocabShard | None = None) -> torch.Tensor:
     """d(Σ g_logp·log p + g_H·H)/dz, (n, V) fp32: (onehot − p)·g_logp on targets, −p·(log p + H)·g_H. Consumes
-    `log_probs` (overwritten in place: a chunk's (n, V) buffers are the whole memory of the fused head)."""
+    `log_probs` (overwritten in place: a chunk's (n, V) buffers are the whole memory of the fused head).
+    Vocab-sharded: log_probs (n, V/tp) are this rank's columns; the onehot lands only on the rank owning the target."""
     g = grad_logp * (targets != IGNORE_INDEX)  # (n,)
+    cols, owned = (targets.clamp(min=0), None) if shard is None else owned_columns(targets, shard)
     if grad_entropy is None:
         grad = log_probs.exp_()  # p, in log_probs' buffer
     else:
         grad = log_probs.exp()  # p
         entropy_part = log_probs.add_(entropy.unsqueeze(1)).mul_(grad).mul_(grad_entropy.unsqueeze(1))  # p(log p+H)g_H
     grad.mul_(-g.unsqueeze(1))
-    grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), g.unsqueeze(1))
+    grad.scatter_add_(1, cols.unsqueeze(1), (g if owned is None else g * owned).unsqueeze(1))
     if grad_entropy is not None:
         grad.sub_(entropy_part)
     return grad
@@ -193,9 +204,11 @@ class ChunkedTokenLogps(torch.autograd.Function):
                 z = chunk_logits(hidden[rows], weight, bias, s)
                 _, log_probs, entropy, _ = chunk_values(z, targets[rows], s)
                 grad_z = chunk_grad_z(log_probs, targets[rows], grad_out[rows, 0],
-                                      grad_out[rows, 1] if s.entropy else None, entropy)
+                                      grad_out[rows, 1] if s.entropy else None, entropy, s.shard)
                 accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(hidden, weight),
                                         grad_hidden[rows], grad_weight, grad_bias)
+        if s.shard is not None:  # each tp rank's columns' part of the sum over the vocabulary
+            s.shard.all_reduce(grad_hidden)
         return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
                 None, None)
 
@@ -226,9 +239,11 @@ class ChunkedTokenLoss(torch.autograd.Function):
                 grad_entropy = grads[1] if entropy is not None else None
                 grad_z = chunk_grad_z(log_probs, targets[rows], grad_logp.detach(),
                                       None if grad_entropy is None else grad_entropy.detach(),
-                                      None if entropy is None else entropy.detach())
+                                      None if entropy is None else entropy.detach(), s.shard)
                 accumulate_linear_grads(grad_z, z, hidden[rows], weight, s, compute_dtype(hidden, weight),
                                         grad_hidden[rows], grad_weight, grad_bias)
+        if needs_grad and s.shard is not None:  # each tp rank's columns' part of the sum over the vocabulary
+            s.shard.all_reduce(grad_hidden)
         out[0, 2] = total
         # saved (not kept on ctx) so that autograd, and the live cost's saved-tensor meter, see what is held
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
@@ -269,32 +284,43 @@ class FusedHeadMixin:
     query: HeadQuery | None = None
     chunk_tokens: int = 0  # 0: default_chunk_tokens(V, h)
     softcap: float | None = None
+    kernel: str = "chunked"  # the summed loss's: "liger" where liger_computes(query), else chunked (models/liger.py)
     verified: bool = False  # the model returned this head's output unchanged once
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden (B, K, h)
         query = self.query
+        weight, bias, shard = local_head(self)  # this tp rank's rows when the head is vocab-sharded
         if query is None:
-            return super().forward(hidden)
+            return super().forward(hidden) if shard is None else gathered_logits(F.linear(hidden, weight, bias), shard)
         if hidden.shape[:2] != query.targets.shape:
             raise RuntimeError(f"fused LM head: hidden states {tuple(hidden.shape[:2])} do not match the query's "
                                f"targets {tuple(query.targets.shape)}")
         settings = ChunkSettings(self.chunk_tokens or default_chunk_tokens(self.out_features, self.in_features),
-                                 query.temperature, self.softcap, query.entropy, query.accuracy)
+                                 query.temperature, self.softcap, query.entropy, query.accuracy, shard)
         flat, targets = hidden.flatten(0, 1), query.targets.flatten()
-        if query.token_loss is not None:
+        if self.kernel == "liger" and liger_computes(query, shard):
+            out = liger.liger_loss_rows(flat, weight, bias, targets, self.softcap, compute_dtype(flat, weight))
+        elif query.token_loss is not None:
             needs_grad = torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)
-            out = ChunkedTokenLoss.apply(flat, self.weight, self.bias, targets, settings, needs_grad, query.token_loss)
+            out = ChunkedTokenLoss.apply(flat, weight, bias, targets, settings, needs_grad, query.token_loss)
         else:
-            out = ChunkedTokenLogps.apply(flat, self.weight, self.bias, targets, settings)
+            out = ChunkedTokenLogps.apply(flat, weight, bias, targets, settings)
         return out.view(*hidden.shape[:2], 3)
+
+
+def liger_computes(query: HeadQuery, shard: VocabShard | None) -> bool:
+    """What Liger's kernel computes (models/liger.py): the causal-LM sum at temperature 1 without entropy, on a head
+    holding the whole vocabulary."""
+    return (query.token_loss is negative_log_likelihood and query.temperature == 1.0 and not query.entropy
+            and shard is None)
 
 
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def install(model: torch.nn.Module, chunk_tokens: int = 0) -> bool:
+def install(model: torch.nn.Module, chunk_tokens: int = 0, kernel: str = "chunked") -> bool:
     """Give a causal LM's output head the fused forward (in place). False when its head is not a plain Linear
-    (then the caller keeps the unfused path)."""
+    (then the caller keeps the unfused path). kernel "liger": the causal-LM sum through Liger (models/liger.py)."""
     head = model.get_output_embeddings()
     if isinstance(head, FusedHeadMixin):
         return True
@@ -304,7 +330,7 @@ def install(model: torch.nn.Module, chunk_tokens: int = 0) -> bool:
     if base not in _FUSED_CLASSES:
         _FUSED_CLASSES[base] = type(f"Fused{base.__name__}", (FusedHeadMixin, base), {})
     head.__class__ = _FUSED_CLASSES[base]
-    head.chunk_tokens = chunk_tokens
+    head.chunk_tokens, head.kernel = chunk_tokens, kernel
     head.softcap = getattr(model.config, SOFTCAP_FIELD, None)
     head.family_config = model.config  # the model reads its softcap from here at forward time
     return True

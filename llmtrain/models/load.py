@@ -302,7 +302,7 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
                 tokenizer: Any, attn_implementation: str, dropout: float,
                 activation_checkpointing: bool, trust_remote_code: bool, head: str = "lm", seed: int = 0,
                 gather: Gather | None = None, lora: LoraSettings | None = None,
-                fused_head_chunk: int | None = None) -> torch.nn.Module:
+                fused_head_chunk: int | None = None, fused_head_kernel: str = "chunked") -> torch.nn.Module:
     """An fp32 model on the CPU (a causal LM, or with `head="scalar"` a one-label sequence classifier), its
     embeddings sized to the tokenizer.
 
@@ -312,7 +312,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
     so the architecture comes from the checkpoint's config; the backend fills the weights in later.
     `lora`: peft's adapters on top (base frozen), added here so that they too are built inside the backend's
     model_init_context (models/lora.py). `fused_head_chunk`: a causal LM's head computes the loss over chunks of
-    this many tokens (0: the default) while a stage asks it to (models/fused_head.py)."""
+    this many tokens (0: the default) while a stage asks it to (models/fused_head.py), the summed loss with
+    `fused_head_kernel` ("chunked" or "liger": models/liger.py)."""
     config = model_config(name_or_path, from_config, config_path, trust_remote_code, vocab_size=len(tokenizer),
                           pad_token_id=tokenizer.pad_token_id)
     set_dropout(config, dropout)
@@ -360,7 +361,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not on_meta)
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    if head == "lm" and fused_head_chunk is not None and not fused_head.install(model, fused_head_chunk):
+    if head == "lm" and fused_head_chunk is not None and not fused_head.install(model, fused_head_chunk,
+                                                                                fused_head_kernel):
         raise ConfigError(f"model.fused_loss: {type(model.get_output_embeddings()).__name__} is not a plain Linear "
                           "LM head, which the fused head-and-loss path needs; set model.fused_loss=off")
     if activation_checkpointing:

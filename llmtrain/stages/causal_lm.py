@@ -78,9 +78,9 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> Caus
 STAGE_SPECS = (
     StageSpec(name="pretrain", build=build, roles=policy_role, data_formats=("text",),
               data_hint="trains on every token: data.format={format} must be text (use stage=sft for prompt/response "
-                        "data)", token_losses=True, sequence_parallel=True, pipelines=True),
+                        "data)", token_losses=True, sequence_parallel=True, pipelines=True, lm_loss_sum=True),
     StageSpec(name="sft", build=build, roles=policy_role, data_formats=SFT_FORMATS,
               data_hint=f"trains on responses only: data.format={{format}} must be one of {', '.join(SFT_FORMATS)} "
                         "(use stage=pretrain for plain text)", token_losses=True, sequence_parallel=True,
-              pipelines=True),
+              pipelines=True, lm_loss_sum=True),
 )

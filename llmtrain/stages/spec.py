@@ -74,6 +74,7 @@ class StageSpec:
     pair_scores: str | None = None  # finished_run: "scalar" (a reward model's score) or "implicit"
     implicit_reward: Callable[[Any], ImplicitReward] | None = None
     sequence_parallel: bool = False  # runs with backend.sp > 1: its losses are sums over target tokens of shards
+    lm_loss_sum: bool = False  # its trained loss is the causal-LM sum −Σ log p (model.fused_loss=liger computes it)
 
     @property
     def pairs(self) -> bool:

@@ -35,6 +35,19 @@ BACKENDS = {"ddp": [], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
 # micro-batches of a non-linear function of each, is then compared on the same ones
 TP_LAYOUTS = {"dp1": (1, ["trainer.micro_batch_size=4"]),
               "tp2": (2, ["trainer.micro_batch_size=4", "backend=fsdp2_tp"])}
+# The LM head under tp (models/vocab_parallel.py): one step of a Llama's SFT (the summed loss, gradients computed in
+# the forward) and DPO (per-token log-probs, recomputed in backward), appended to the TP_LAYOUTS launches. The
+# reference: one process with full logits (model.fused_loss=off). tp2: the fused head split over the vocabulary, and
+# fused_loss=off (the head replicated over tp). Adam's first update is lr·g/(|g| + eps): with eps 1, lr 1, no warm-up
+# and no clipping it is g/(|g| + 1), nearly the gradient itself, so the weights after the step show every gradient
+# entry's difference (with eps 1e-8 the update is ±lr wherever |g| >> 1e-8 and shows nothing, while entries of
+# |g| ~ 1e-8 amplify rounding: one process's fused and unfused heads differ by 5e-5 of a weight's scale, 2 steps).
+HEAD_STEP = ["trainer.max_steps=1", "optim.lr=1.0", "optim.eps=1.0", "optim.warmup_steps=0", "optim.max_grad_norm=0"]
+HEAD_STAGES = {"sft": PARITY, "dpo": ["recipe=dpo_tiny", "trainer.micro_batch_size=4", "trainer.grad_accum_steps=2",
+                                      *QUIET]}
+HEAD_RUNS = {"dp1": [("sft_off", "sft", ["model.fused_loss=off"]), ("dpo_off", "dpo", ["model.fused_loss=off"])],
+             "tp2": [("sft", "sft", ["backend=fsdp2_tp"]), ("dpo", "dpo", ["backend=fsdp2_tp"]),
+                     ("sft_off", "sft", ["backend=fsdp2_tp", "model.fused_loss=off"])]}
 
 
 def _launch(root: Path, name: str, runs: list[dict], nproc: int = 1) -> subprocess.Popen:
@@ -77,11 +90,14 @@ def parity(tmp_path_factory, family_args, families) -> tuple[Path, dict[str, str
 
 @pytest.fixture(scope="module")
 def tp_parity(tmp_path_factory, family_args, families) -> tuple[Path, dict[str, str]]:
-    """One launch per layout (TP_LAYOUTS), each running every TP family's SFT one after the other."""
+    """One launch per layout (TP_LAYOUTS), each running every TP family's SFT one after the other, then HEAD_RUNS."""
     root, logs = tmp_path_factory.mktemp("family_tp"), {}
     for layout, (nproc, extra) in TP_LAYOUTS.items():
         runs = [{"out": str(root / layout / family), "args": [*PARITY, *family_args(family), *extra]}
                 for family in families["tp"]]
+        runs += [{"out": str(root / layout / f"head_{name}"),
+                  "args": [*HEAD_STAGES[stage], *family_args("llama"), *HEAD_STEP, *overrides]}
+                 for name, stage, overrides in HEAD_RUNS[layout]]
         logs.update(_finish({layout: _launch(root, layout, runs, nproc=nproc)}))
     return root, logs
 
@@ -150,3 +166,24 @@ def test_tensor_parallel_parity(tp_parity, tp_family, families, assert_close_ser
               "phi3": "colwise_gather_output × 4", "mixtral": "moe_tp_experts × 2",
               "qwen3_moe": "moe_tp_experts × 2"}
     assert f"tp=2 {tp_family}: " in logs["tp2"] and styles.get(tp_family, "rowwise × 4") in logs["tp2"]
+
+
+@pytest.mark.parametrize("stage,tp_run", [("sft", "sft"), ("dpo", "dpo"), ("sft", "sft_off")])
+def test_vocab_sharded_head_equals_full_logits(tp_parity, stage, tp_run):
+    """One step on dp 1 × tp 2 with the fused head split over the vocabulary (and, sft_off, with the head replicated
+    and full logits) equals one process's full logits (model.fused_loss=off): loss and grad norm within 1e-6
+    relative, every exported weight within 1e-6 of its tensor's largest entry (HEAD_RUNS says why Adam's eps is 1)."""
+    from safetensors.torch import load_file
+
+    root, logs = tp_parity
+    reference_dir, ours_dir = root / "dp1" / f"head_{stage}_off", root / "tp2" / f"head_{tp_run}"
+    (reference,), (ours,) = _records(reference_dir, logs["dp1"]), _records(ours_dir, logs["tp2"])
+    for key in ("loss", "grad_norm"):
+        assert abs(ours[key] - reference[key]) <= 1e-6 * abs(reference[key]), (key, ours[key], reference[key])
+    expected, trained = load_file(reference_dir / "hf" / "model.safetensors"), load_file(ours_dir / "hf" /
+                                                                                          "model.safetensors")
+    assert trained.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert (trained[name] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), name
+    sharded = "LM head split over the vocabulary, 132 of 263 rows per rank" in logs["tp2"]
+    assert sharded and "LM head and loss: full (tokens, V) logits (model.fused_loss=off)" in logs["tp2"]

@@ -327,3 +327,31 @@ def test_rl_head_memory_is_the_response_positions_with_the_token_loss_gradients(
         st = plan_setting(cfg, 1, resolve_gpu(cfg.plan, "cpu"), "fp32", f)
         assert st.head_positions == 17 and st.head_loss_sum is held
         assert head_bytes(st, 4, 128) == fused_head_bytes(4, 17, f.vocab, f.hidden, st.head_chunk, held)
+
+
+def test_a_vocab_sharded_head_divides_the_logits_and_the_head_states_by_tp():
+    """FSDP2, dp 1 × tp 2, fp32, the fused head (chunks of 256 tokens, SFT's summed loss) with an odd, untied
+    vocabulary: per rank the logits column is one chunk's 3 fp32 (c, ⌈V/2⌉) buffers plus the held gradients
+    (b·s·h + ⌈V/2⌉·h)·4, and the head's weights, gradients and Adam state are halved like the TP plan's layers; the
+    embedding stays whole. Full logits (fused_loss=off), a tied head and the pipeline (head_tp 1) keep V rows."""
+    layers, h, vocab, b, s, chunk = 4, 256, 50_001, 2, 1024, 256
+    blocks = layers * 12 * h * h
+    f = dataclasses.replace(facts(blocks + 2 * vocab * h, layers=layers, hidden=h, vocab=vocab), head=vocab * h,
+                            tp_params=blocks)
+    st = dataclasses.replace(setting(f, world=2, micro=b, seq=s, precision="fp32"), head_chunk=chunk,
+                             head_loss_sum=True)
+    tp2 = Layout(name="fsdp2_tp", backend=BACKENDS["fsdp2"], stage=3, dp=1, tp=2, head_tp=2)
+    row = plan_row(st, tp2)
+    half = 25_001  # ⌈V/2⌉
+    assert row.logits == 12 * chunk * half + 4 * (b * s * h + half * h)
+    per_rank = vocab * h + vocab * h / 2 + blocks / 2  # embedding whole, head and blocks halved
+    assert row.states["policy"].weights == pytest.approx(4 * per_rank, rel=1e-12)
+    assert row.states["policy"].grads == pytest.approx(4 * per_rank, rel=1e-12)
+    assert row.states["policy"].optim == pytest.approx(8 * per_rank, rel=1e-12)
+    whole_head = vocab * h + vocab * h + blocks / 2
+    for other, layout in ((dataclasses.replace(st, head_chunk=None), tp2),  # full logits
+                          (st, dataclasses.replace(tp2, head_tp=1)),  # the pipeline's last stage
+                          (dataclasses.replace(st, facts=dataclasses.replace(f, head=0)), tp2)):  # tied
+        assert plan_row(other, layout).states["policy"].weights == pytest.approx(4 * whole_head, rel=1e-12)
+    assert plan_row(dataclasses.replace(st, head_chunk=None), tp2).logits == b * s * vocab * 4
+    assert plan_row(st, dataclasses.replace(tp2, head_tp=1)).logits == 12 * chunk * vocab + 4 * (b * s * h + vocab * h)

@@ -1,0 +1,62 @@
+"""model.fused_loss=liger|auto (models/liger.py), on the CPU: what `auto` picks on each device, layout and stage, and
+an explicit `liger` that cannot run refused by validation (before any model loads) with lines naming the field and
+the fix. Liger's numbers against the chunked path need a GPU: tests/gpu/test_liger.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.compose import compose_config
+from llmtrain.config import ConfigError
+from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood
+from llmtrain.models.fused_head import liger_computes as computes
+from llmtrain.models.liger import head_kernel
+from llmtrain.models.vocab_parallel import VocabShard
+from llmtrain.validation import validate
+
+
+@pytest.mark.parametrize("fused_loss,device,tp,stage,lm_sum,installed,kernel,why", [
+    ("auto", "cuda", 1, "sft", True, True, "liger", "Liger Kernel on CUDA"),
+    ("auto", "cpu", 1, "sft", True, True, "chunked", "CUDA GPUs only, this run's device is cpu"),
+    ("auto", "cuda", 1, "sft", True, False, "chunked", "liger_kernel is not installed"),
+    ("auto", "cuda", 2, "sft", True, True, "chunked", "backend.tp=2 splits the LM head"),
+    ("auto", "cuda", 1, "dpo", False, True, "chunked", "stage dpo trains on per-token log-probs"),
+    ("chunked", "cuda", 1, "sft", True, True, "chunked", "model.fused_loss=chunked"),
+    ("liger", "cuda", 1, "sft", True, True, "liger", "model.fused_loss=liger"),
+    ("off", "cuda", 1, "sft", True, True, None, "full (tokens, V) logits"),
+])
+def test_auto_picks_liger_only_where_it_computes_the_loss(fused_loss, device, tp, stage, lm_sum, installed, kernel,
+                                                          why):
+    chosen, reason = head_kernel(fused_loss, device, tp, stage, lm_sum, installed)
+    assert chosen == kernel and why in reason, (chosen, reason)
+
+
+def test_the_head_sends_only_the_causal_lm_sum_to_liger():
+    """Eval's per-token values, RL's token losses, a temperature, entropy and a vocab-sharded head stay chunked."""
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    assert computes(HeadQuery(targets, token_loss=negative_log_likelihood), None)
+    assert not computes(HeadQuery(targets, accuracy=True), None)  # eval
+    assert not computes(HeadQuery(targets, token_loss=lambda rows, logp, entropy: logp.sum()), None)  # PPO's
+    assert not computes(HeadQuery(targets, temperature=0.7, token_loss=negative_log_likelihood), None)
+    assert not computes(HeadQuery(targets, entropy=True, token_loss=negative_log_likelihood), None)
+    assert not computes(HeadQuery(targets, token_loss=negative_log_likelihood), VocabShard(0, 5, 10))
+
+
+@pytest.mark.parametrize("overrides,world,needles", [
+    (["recipe=sft_tiny"], 1, ["model.fused_loss=liger: Liger Kernel runs on CUDA GPUs only, this run's device is cpu",
+                              "set model.fused_loss=chunked"]),
+    (["recipe=dpo_tiny"], 1, ["stage dpo trains on per-token log-probs", "set model.fused_loss=chunked (or auto)"]),
+    (["recipe=sft_tiny", "backend=fsdp2_tp", "trainer.global_batch_size=32"], 2,
+     ["backend.tp=2 splits the LM head over the vocabulary", "set model.fused_loss=chunked", "or backend.tp=1"]),
+])
+def test_an_explicit_liger_that_cannot_run_is_refused_by_validation(overrides, world, needles):
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config([*overrides, "model.fused_loss=liger", "device=cpu"]), world)
+    for needle in needles:
+        assert needle in str(refused.value), (needle, str(refused.value))
+
+
+def test_auto_and_chunked_pass_validation_on_the_cpu():
+    for choice in ("auto", "chunked"):
+        validate(compose_config(["recipe=sft_tiny", f"model.fused_loss={choice}", "device=cpu"]), 1)
