@@ -130,12 +130,23 @@ def test_pipeline_refusals_name_the_field_and_the_fix(overrides, world, needle):
     assert needle in problems(*PP2, *overrides, world=world)
 
 
-@pytest.mark.parametrize("recipe,needle", [
-    ("dpo_tiny", "stage=dpo with backend.pp=2: only token-loss stages (pretrain, SFT)"),
-    ("rm_tiny", "stage=reward with backend.pp=2: only token-loss stages (pretrain, SFT)"),
-])
-def test_pair_stages_are_refused(recipe, needle):
-    assert needle in problems(*PP2, recipe=recipe)
+@pytest.mark.parametrize("recipe,extra", [("rm_tiny", []), ("simpo_tiny", []), ("orpo_tiny", []),
+                                          ("dpo_tiny", ["dpo.precompute_ref_logps=true"])])
+def test_pair_stages_pass_the_pipeline_checks(recipe, extra):
+    assert problems(*PP2, *extra, recipe=recipe) == ""
+
+
+def test_dpo_under_pp_refuses_the_in_step_reference_and_builds_no_reference_role():
+    from llmtrain.stages.base import ModelSource
+    from llmtrain.stages.dpo import dpo_roles
+
+    found = problems(*PP2, recipe="dpo_tiny")
+    assert "stage=dpo with backend.pp=2 computes the reference log-probs once" in found
+    assert "set dpo.precompute_ref_logps=true, or backend.pp=1" in found
+    source = ModelSource("x")
+    cfg = compose_config(["recipe=dpo_tiny", *PP2, "dpo.precompute_ref_logps=true"])
+    assert list(dpo_roles(cfg, source)) == ["policy"]  # what the planner counts
+    assert list(dpo_roles(compose_config(["recipe=dpo_tiny"]), source)) == ["policy", "reference"]
 
 
 @pytest.mark.parametrize("recipe,stage", [("grpo_tiny", "grpo"), ("ppo_tiny", "ppo")])
