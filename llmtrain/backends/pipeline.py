@@ -9,7 +9,11 @@ What travels between stages: the hidden states (b, W, h) and the micro-batch's i
 one pipeline reads the same examples (as tensor-parallel peers do), so each stage rebuilds the micro-batch's
 attention inputs (padding mask, packed position ids and sample lengths, whatever the attention reads) from its own
 copy, found by that index: only the first stage receives the schedule's arguments, and no (b, 1, W, W) mask crosses
-a link. Micro-batches are padded to one width W per step (the stage buffers have one shape).
+a link. Micro-batches are padded to one shape (b, W) (the stage buffers have one shape), fixed by the stage's first
+micro-batch: b = trainer.micro_batch_size rows of W = data.max_seq_len for token stages; for pair stages (reward
+model, DPO, SimPO, ORPO) a micro-batch holds whole pairs, its 2P sequences as 2P rows or one packed row
+(PairBatch.pipeline_shape), so both sequences of a pair reach the last stage together, where the pair loss (score
+head, or the LM head's per-sequence log-prob sums) is computed.
 
 The loss: the last stage runs the stage's own MicroLoss (the fused head, exactly as without a pipeline) and returns
 the micro-batch's summed loss; the schedule's loss_fn multiplies it by dp / (global target count), known before the

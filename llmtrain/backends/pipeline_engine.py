@@ -11,7 +11,8 @@ no storage, on ranks other than 0), empties them, parallelizes them (tp, fsdp) a
 tensors, broadcast one at a time (`load_stages_from_rank0`): only rank 0 ever holds the whole model.
 
 The step (`run_schedule`, called by stages/base.Updater for an engine with `pipelined`): one schedule step over the
-M micro-batches; the last stage's per-micro-batch sums are summed over the pp ranks, so every rank returns them.
+M micro-batches (the schedule is built on the first step, its buffers shaped by that step's micro-batches); the last
+stage's per-micro-batch sums are summed over the pp ranks, so every rank returns them.
 The gradient norm is the whole model's: squared norms summed over the pp ranks.
 """
 

@@ -8,6 +8,9 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
   dp 2 × pp 2 on 4 ranks (micro-batch 1, so the global batch stays 8; FSDP2 shards each stage over its dp pair);
   pp 2 × tp 2 on 4 ranks (TP on each stage, then FSDP); tied embeddings (a copy on each end stage, gradients
   summed), and a one-process tied checkpoint (the weight and its Adam state once) resumed at pp=2.
+- p2p: the bytes each rank hands to isend in steps 1 and 2 (metrics/comm.py counts them) are the planner's
+  (plan_pp.pipeline_p2p: hidden states forward, gradients back) plus the micro-batch index (b int64) each forward send
+  carries, for 1f1b, interleaved (4 stages on 2 ranks) and the reward model's packed pair rows.
 - resume: a pp=2 checkpoint resumed at pp=2 is bitwise; resumed in one process (pp2 → 1) and a one-process checkpoint
   resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
 - the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
@@ -212,3 +215,20 @@ def test_dpo_bitwise_resume_at_pp2(runs):
     assert [r["step"] for r in continued] == [3, 4]
     assert [(r["loss"], r["grad_norm"], r["reward_margin"]) for r in continued] == \
         [(r["loss"], r["grad_norm"], r["reward_margin"]) for r in reference]
+
+
+# ---- the live cost's p2p bytes next to the planner's ---------------------------------------------------------------
+
+# run -> (forward sends per rank in a step: each carries the micro-batch index too, rows of the stage buffers)
+P2P = {"1f1b": ([4, 0], 2), "interleaved": ([8, 4], 2), "rm_1f1b": ([4, 0], 1)}
+
+
+@pytest.mark.parametrize("name", list(P2P))
+def test_counted_p2p_bytes_are_the_planners(runs, name):
+    run = runs.pairs(name) if name in PAIR_RUNS else runs.get(name)
+    forward_sends, rows = P2P[name]
+    for record in read_metrics(run)[0][:2]:
+        plan = record["plan_comm_p2p_payload"]
+        assert plan > 0 and record["plan_comm_p2p_wire"] == plan
+        counted = [record[f"comm_r{rank}_p2p_payload"] for rank in range(2)]
+        assert counted == [plan + sends * rows * 8 for sends in forward_sends]  # the busiest rank's figure, exactly

@@ -197,6 +197,17 @@ def test_bubble_and_in_flight_formulas():
     assert [in_flight("interleaved_1f1b", 2, r, 4, 2) for r in range(2)] == [5, 3]
 
 
+def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
+    from llmtrain.plan_pp import p2p_sends, pipeline_p2p
+
+    assert p2p_sends(2, 1, 4) == [4, 4]  # stage 0 sends forward, stage 1 backward, once per micro-batch
+    assert p2p_sends(4, 1, 8) == [8, 16, 16, 8]  # the middle stages send both ways
+    assert p2p_sends(2, 2, 4) == [12, 12]  # rank 0: stage 0 (forward) + stage 2 (both); rank 1: stage 1 + stage 3
+    [p2p] = pipeline_p2p(pp_backend(pp=4), rows=2, accum=8, seq=16, hidden=32, precision="fp32")
+    assert (p2p.kind, p2p.payload, p2p.times, p2p.wire) == ("p2p", 2 * 16 * 32 * 4, 16, 16 * 2 * 16 * 32 * 4)
+    assert pipeline_p2p(pp_backend(pp=1), rows=2, accum=8, seq=16, hidden=32, precision="bf16") == []
+
+
 def test_plan_prints_each_pp_ranks_stages():
     from llmtrain.plan import plan_text
 
