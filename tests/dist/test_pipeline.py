@@ -22,7 +22,8 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
   through the policy's own pipeline before step 1, against one process's frozen reference engine precomputing them)
   equal one process on loss, grad norm and the stage's metrics (accuracy, margins, eval) within 1e-5; DPO's step-1
   rewards are exactly 0 (the precomputed reference IS the policy's first forward); a DPO pp=2 checkpoint resumes
-  bitwise.
+  bitwise. ORPO (1f1b: its NLL over the chosen tokens and its odds-ratio term over the pairs, two normalisers) too.
+  The pp=2 reward model's `hf/` export is the whole sequence classifier (score head included), equal to one process's.
 Runs are cached per module: each torchrun launch serves several assertions.
 """
 
@@ -69,6 +70,8 @@ PAIR_RUNS = {
     "rm_1f1b": (2, ["recipe=rm_tiny", *PP, "backend.pp_schedule=1f1b"]),
     "dpo_one": (1, DPO),
     "dpo_gpipe": (2, [*DPO, *PP, "backend.pp_schedule=gpipe"]),
+    "orpo_one": (1, ["recipe=orpo_tiny"]),
+    "orpo_1f1b": (2, ["recipe=orpo_tiny", *PP, "backend.pp_schedule=1f1b"]),
 }
 
 
@@ -177,12 +180,13 @@ def test_hf_export_is_the_whole_model(runs):
 # ---- pairs: the reward model and DPO -------------------------------------------------------------------------------
 
 PAIR_METRICS = {"rm": ("accuracy", "margin", "reward_chosen", "reward_rejected"),
-                "dpo": ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected")}
+                "dpo": ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected"),
+                "orpo": ("reward_accuracy", "reward_margin", "nll_loss", "log_odds_ratio")}
 PAIR_EVAL = {"rm": ("eval_loss", "eval_margin", "eval_reward_mean", "eval_reward_std"),
-             "dpo": ("eval_loss", "eval_reward_margin")}
+             "dpo": ("eval_loss", "eval_reward_margin"), "orpo": ("eval_loss", "eval_nll_loss", "eval_reward_margin")}
 
 
-@pytest.mark.parametrize("name,reference", [("rm_1f1b", "rm_one"), ("dpo_gpipe", "dpo_one")])
+@pytest.mark.parametrize("name,reference", [("rm_1f1b", "rm_one"), ("dpo_gpipe", "dpo_one"), ("orpo_1f1b", "orpo_one")])
 def test_pair_stages_through_the_pipeline_equal_one_process(runs, name, reference, assert_close_series):
     (ours, our_evals), (theirs, their_evals) = read_metrics(runs.pairs(name)), read_metrics(runs.pairs(reference))
     stage = name.split("_")[0]
@@ -232,3 +236,17 @@ def test_counted_p2p_bytes_are_the_planners(runs, name):
         assert plan > 0 and record["plan_comm_p2p_wire"] == plan
         counted = [record[f"comm_r{rank}_p2p_payload"] for rank in range(2)]
         assert counted == [plan + sends * rows * 8 for sends in forward_sends]  # the busiest rank's figure, exactly
+
+
+def test_reward_model_export_is_the_whole_sequence_classifier(runs):
+    """The pp=2 reward model's `hf/` (each stage's tensors gathered to rank 0, the score head from the last stage)
+    loads as the one-process export, to 1e-5, with the eval's reward statistics in its config."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    ours = AutoModelForSequenceClassification.from_pretrained(runs.pairs("rm_1f1b") / "hf")
+    theirs = AutoModelForSequenceClassification.from_pretrained(runs.pairs("rm_one") / "hf")
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) and "score.weight" in ours.state_dict()
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=0, atol=1e-5, msg=key)
+    assert abs(ours.config.reward_mean - theirs.config.reward_mean) <= 1e-5 * abs(theirs.config.reward_mean) + 1e-7
