@@ -45,7 +45,7 @@ from llmtrain.metrics.live import PlanFigures
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
 from llmtrain.models.fused_head import default_chunk_tokens
-from llmtrain.plan_pp import pipeline_lines
+from llmtrain.plan_pp import pipeline_lines, pipeline_p2p
 from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
 from llmtrain.stages.registry import stage_roles, stage_spec
 from llmtrain.validation import data_parallel_size, validate
@@ -423,8 +423,9 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
              f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states; "
              "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
-    lines += pipeline_lines(cfg.backend, st.facts, micro=st.micro, accum=st.accum, seq=st.seq, precision=st.precision,
-                            dp=data_parallel_size(cfg.backend, world), checkpointing=st.checkpointing)
+    lines += pipeline_lines(cfg.backend, st.facts, micro=st.micro * st.rows_per_sample, accum=st.accum, seq=st.seq,
+                            precision=st.precision, dp=data_parallel_size(cfg.backend, world),
+                            checkpointing=st.checkpointing)  # micro: rows (a pair is 2)
     if st.rl is not None:
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "
@@ -509,11 +510,14 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
              roles_summary(st, row), batch_arithmetic(cfg, world),
              f"{cfg.trainer.max_steps} steps, output_dir {cfg.output_dir}", ""]
     text = "\n".join(lines + describe(cfg, world, gpu, precision, facts))
-    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision), setting=st, row=row, gpu=gpu)
+    p2p = pipeline_p2p(cfg.backend, rows=st.micro * st.rows_per_sample, accum=st.accum, seq=st.seq,
+                       hidden=st.facts.hidden, precision=st.precision)
+    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision, p2p), setting=st, row=row, gpu=gpu)
 
 
-def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures:
-    """The planner's row for this run's backend, world and device, as the live cost compares with it."""
+def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Collective] = ()) -> PlanFigures:
+    """The planner's row for this run's backend, world and device, as the live cost compares with it (p2p: the
+    pipeline's sends, plan_pp.pipeline_p2p)."""
     facts, elem = st.facts, 2 if precision in ("bf16", "fp16") else 4
 
     def activations(rows: int, seq: int) -> float:
@@ -531,7 +535,7 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str) -> PlanFigures
                        gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
                        flops_per_token=model, hardware_flops_per_token=model + recompute,
                        peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
-                       comm=planned(row.comm))
+                       comm=planned([*row.comm, *p2p]))
 
 
 # ---- the fit check: a run whose plan does not fit stops before anything loads (run.py) ---------------------------

@@ -7,7 +7,10 @@ The formulas (the seeds' pages on GPipe and 1F1B; torch's schedules):
 - activations in flight on pp rank r: GPipe runs every forward first (M micro-batches); 1F1B starts a backward once
   the pipe is full (P−r); interleaved keeps torch's warm-up, (v−1)·P + 2·(P−1−r) + 1 chunks, at most v·M.
 - p2p: every stage boundary carries each micro-batch's hidden states forward and their gradient backward,
-  b·s·h elements each.
+  b·s·h elements each (b: the micro-batch's rows, 2 per pair for the pair stages). A rank sends forward from every
+  stage but the last and backward from every stage but the first. The live cost counts what the schedules hand to
+  isend (metrics/comm.py) next to `pipeline_p2p`, the busiest pp rank's figure (the micro-batch index, b int64s, also
+  travels forward: not in the plan, b·s·h·elem / (8·b) = s·h·elem/8 times smaller).
 - model states: the rank's parameters (its blocks, the embedding on stage 0, norm and head on the last), fp32 with
   their gradient and Adam's two moments, sharded over dp by FSDP2: 16·params/dp bytes.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.backends.pipeline_checks import SCHEDULES, StageCosts, describe_stage, split_blocks
-from llmtrain.metrics.cost import activation_bytes
+from llmtrain.metrics.cost import Collective, activation_bytes
 
 GIB = 1024**3
 
@@ -36,6 +39,27 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
     return min(virtual * microbatches, (virtual - 1) * pp + 2 * (pp - 1 - rank) + 1)
 
 
+def p2p_sends(pp: int, virtual: int, microbatches: int) -> list[int]:
+    """Per pp rank: the boundary tensors (a micro-batch's hidden states or their gradient) it sends in one step."""
+    stages = pp * virtual
+    return [sum((s != stages - 1) + (s != 0) for s in range(rank, stages, pp)) * microbatches for rank in range(pp)]
+
+
+def boundary_bytes(rows: int, seq: int, hidden: int, precision: str) -> int:
+    """One micro-batch's hidden states (b, s, h) at a stage boundary, or their gradient."""
+    return rows * seq * hidden * (2 if precision in ("bf16", "fp16") else 4)
+
+
+def pipeline_p2p(backend: Any, *, rows: int, accum: int, seq: int, hidden: int, precision: str) -> list[Collective]:
+    """The busiest pp rank's point-to-point sends of one step, as a Collective of kind p2p ([] without pp)."""
+    pp = getattr(backend, "pp", 1)
+    if pp <= 1 or backend.pp_schedule not in SCHEDULES:
+        return []
+    v = backend.pp_virtual_stages if SCHEDULES[backend.pp_schedule][1] else 1
+    return [Collective("PP hidden states forward, their gradients back (busiest pp rank)", "p2p",
+                       boundary_bytes(rows, seq, hidden, precision), 2, max(p2p_sends(pp, v, accum)), overlapped=False)]
+
+
 def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int, dp: int, precision: str,
                    checkpointing: bool) -> list[str]:
     """The planner's lines for backend.pp > 1 (empty otherwise)."""
@@ -49,9 +73,10 @@ def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int
         return []
     bounds = split_blocks(f.layers, stages, StageCosts.of(f.block, f.hidden, f.vocab, seq, f.head or f.embed))
     elem = 2 if precision in ("bf16", "fp16") else 4
+    sends = p2p_sends(pp, v, accum)
     block_act = activation_bytes(micro, seq, f.hidden, f.heads, 1, checkpointing=checkpointing, elem=elem,
                                  scores=False, intermediate=f.intermediate, kv_heads=f.kv_heads)  # one block, b rows
-    boundary = micro * seq * f.hidden * elem  # one micro-batch's hidden states (or their gradient)
+    boundary = boundary_bytes(micro, seq, f.hidden, precision)
     lines = [f"pipeline: pp {pp} × v {v} = {stages} stages, {schedule}, M = {accum} micro-batches of {micro} rows: "
              f"bubble (P−1)/({'v·' if v > 1 else ''}M+P−1) = {bubble_fraction(pp, accum, v):.1%} of each step; "
              "the table above counts every block on every rank, the lines below each rank's stages"]
@@ -62,9 +87,9 @@ def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int
             ((f.head or 0) + f.hidden if stages - 1 in mine else 0)
         chunks = in_flight(schedule, pp, rank, accum, v)
         activations = chunks * block_act * blocks / len(mine)
-        sends = sum((s != stages - 1) + (s != 0) for s in mine) * accum * boundary
         pieces = "; ".join(f"stage {s}: {describe_stage(s, stages, bounds[s])}" for s in mine)
         lines.append(f"pp rank {rank}: {pieces}: {params / 1e6:,.1f}M parameters, model states "
                      f"{16 * params / dp / GIB:.3g} GiB (fp32 + Adam, /dp {dp}), activations {chunks} micro-batch "
-                     f"chunk(s) in flight ≈ {activations / GIB:.3g} GiB, p2p {sends / 1e9:.3g} GB sent per step")
+                     f"chunk(s) in flight ≈ {activations / GIB:.3g} GiB, p2p {sends[rank] * boundary / 1e9:.3g} GB "
+                     "sent per step")
     return lines

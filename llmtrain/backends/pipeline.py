@@ -9,7 +9,11 @@ What travels between stages: the hidden states (b, W, h) and the micro-batch's i
 one pipeline reads the same examples (as tensor-parallel peers do), so each stage rebuilds the micro-batch's
 attention inputs (padding mask, packed position ids and sample lengths, whatever the attention reads) from its own
 copy, found by that index: only the first stage receives the schedule's arguments, and no (b, 1, W, W) mask crosses
-a link. Micro-batches are padded to one width W per step (the stage buffers have one shape).
+a link. Micro-batches are padded to one shape (b, W) (the stage buffers have one shape), fixed by the stage's first
+micro-batch: b = trainer.micro_batch_size rows of W = data.max_seq_len for token stages; for pair stages (reward
+model, DPO, SimPO, ORPO) a micro-batch holds whole pairs, its 2P sequences as 2P rows or one packed row
+(PairBatch.pipeline_shape), so both sequences of a pair reach the last stage together, where the pair loss (score
+head, or the LM head's per-sequence log-prob sums) is computed.
 
 The loss: the last stage runs the stage's own MicroLoss (the fused head, exactly as without a pipeline) and returns
 the micro-batch's summed loss; the schedule's loss_fn multiplies it by dp / (global target count), known before the
@@ -52,8 +56,19 @@ def has_layer_stack(arch) -> bool:
             and hasattr(base, "norm") and hasattr(model, "lm_head"))
 
 
+HEAD_NAMES = ("lm_head", "score")  # a causal LM's head; a sequence classifier's (the reward model's scalar head)
+
+
+def head_name(causal_lm: nn.Module) -> str:
+    """The last stage's head: `lm_head` (next-token logits) or `score` (one score per token, models/heads.py)."""
+    for name in HEAD_NAMES:
+        if isinstance(getattr(causal_lm, name, None), nn.Module):
+            return name
+    raise ValueError(f"{type(causal_lm).__name__} has none of the heads {', '.join(HEAD_NAMES)} the pipeline splits")
+
+
 def stage_copy(causal_lm: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
-    """The causal LM with only this stage's modules: deepcopy's memo maps every other block to an identity (and the
+    """The model with only this stage's modules: deepcopy's memo maps every other block to an identity (and the
     embedding, final norm and head away from the stages without them), so nothing of other stages is copied."""
     base = causal_lm.model
     memo = {id(layer): PipelineIdentity() for i, layer in enumerate(base.layers) if i not in blocks}
@@ -61,7 +76,7 @@ def stage_copy(causal_lm: nn.Module, blocks: range, first: bool, last: bool) -> 
         memo[id(base.embed_tokens)] = None
     if not last:
         memo[id(base.norm)] = nn.Identity()
-        memo[id(causal_lm.lm_head)] = None
+        memo[id(getattr(causal_lm, head_name(causal_lm)))] = None
     return copy.deepcopy(causal_lm, memo)
 
 
@@ -76,7 +91,8 @@ class StepInputs:
 
 class LastStageView(nn.Module):
     """The module a MicroLoss calls on the last stage, `module(**batch.model_inputs(), logits_to_keep=K)`: the causal
-    LM from the received hidden states (the token ids were embedded on the first stage)."""
+    LM (or the reward model's sequence classifier) from the received hidden states (the token ids were embedded on
+    the first stage)."""
 
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
@@ -88,15 +104,16 @@ class LastStageView(nn.Module):
 
 
 class StageModule(nn.Module):
-    """One stage; its modules under the causal LM's names (`model.*`, `lm_head`), so the keys match the whole model."""
+    """One stage; its modules under the whole model's names (`model.*`, `lm_head` or `score`), so the keys match."""
 
-    def __init__(self, causal_lm: nn.Module, index: int, num_stages: int, blocks: range, inputs: StepInputs):
+    def __init__(self, causal_lm: nn.Module, index: int, num_stages: int, blocks: range, inputs: StepInputs,
+                 head: str = "lm_head"):
         super().__init__()
-        self.index, self.blocks, self.inputs = index, blocks, inputs
+        self.index, self.blocks, self.inputs, self.head = index, blocks, inputs, head
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.model = causal_lm.model
         if self.is_last:
-            self.lm_head = causal_lm.lm_head
+            setattr(self, head, getattr(causal_lm, head))
             self.__dict__["view"] = LastStageView(causal_lm)  # not a submodule: its modules are the ones above
 
     def forward(self, x: torch.Tensor, index: torch.Tensor):
@@ -105,7 +122,7 @@ class StageModule(nn.Module):
         batch = self.inputs.micro_batches[i]
         if self.is_last:
             return self._loss(x, batch)
-        inputs = {k: v for k, v in batch.model_inputs().items() if k != "input_ids"}
+        inputs = {k: v for k, v in rows_of(batch).model_inputs().items() if k != "input_ids"}
         embedded = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         hidden = self.model(**embedded, **inputs).last_hidden_state  # (b, W, h)
         return hidden, index
@@ -126,7 +143,8 @@ class StageModule(nn.Module):
 
 
 class RankModel(nn.Module):
-    """This rank's stages under the whole model's names (model.embed_tokens, model.layers.N, model.norm, lm_head):
+    """This rank's stages under the whole model's names (model.embed_tokens, model.layers.N, model.norm, lm_head or
+    score):
     what the optimizer, the gradient norm, DCP checkpoints and the export see. Not called: the schedule runs the
     stages."""
 
@@ -141,7 +159,30 @@ class RankModel(nn.Module):
             if part.is_first:
                 self.model.embed_tokens = part.model.embed_tokens
             if part.is_last:
-                self.model.norm, self.lm_head = part.model.norm, part.lm_head
+                self.model.norm = part.model.norm
+                setattr(self, part.head, getattr(part, part.head))
+
+
+def rows_of(batch) -> Batch:
+    """The token rows of a micro-batch: a Batch itself, or a PairBatch's `rows` (its 2P sequences)."""
+    return getattr(batch, "rows", batch)
+
+
+def pad_micro_batch(batch, rows: int, width: int, attn_implementation: str, mask_dtype: torch.dtype):
+    """`widen` for a Batch, or for a PairBatch's rows (its sequence positions moved with them: `with_rows`)."""
+    if not hasattr(batch, "rows"):
+        return widen(batch, rows, width, attn_implementation, mask_dtype)
+    return batch.with_rows(widen(batch.rows, rows, width, attn_implementation, mask_dtype))
+
+
+def micro_batch_shape(batch, seq_len: int, count: int | None = None) -> tuple[int, int]:
+    """(rows, width) of the stage buffers for micro-batches of `count` examples (None: as many as `batch` holds) laid
+    out like `batch`: a Batch's count rows of data.max_seq_len, or a PairBatch's `pipeline_shape` (2·count rows, or
+    one packed row of 2·count sequences)."""
+    shape = getattr(batch, "pipeline_shape", None)
+    if shape is None:
+        return (count or batch.input_ids.shape[0], seq_len)
+    return shape(count, seq_len)
 
 
 def widen(batch: Batch, rows: int, width: int, attn_implementation: str, mask_dtype: torch.dtype) -> Batch:
@@ -165,7 +206,8 @@ def widen(batch: Batch, rows: int, width: int, attn_implementation: str, mask_dt
 def block_costs(causal_lm: nn.Module, seq_len: int) -> StageCosts:
     config = causal_lm.config
     block = sum(p.numel() for p in causal_lm.model.layers[0].parameters())
-    return StageCosts.of(block, config.hidden_size, config.vocab_size, seq_len, causal_lm.lm_head.weight.numel())
+    head = getattr(causal_lm, head_name(causal_lm)).weight.numel()
+    return StageCosts.of(block, config.hidden_size, config.vocab_size, seq_len, head)
 
 
 def build_parts(causal_lm: nn.Module, pp_rank: int, pp: int, virtual: int, seq_len: int, inputs: StepInputs,
@@ -177,9 +219,9 @@ def build_parts(causal_lm: nn.Module, pp_rank: int, pp: int, virtual: int, seq_l
     if log_split:
         for s, blocks in enumerate(bounds):
             log.info("pp rank %d: stage %d: %s", s % pp, s, describe_stage(s, num_stages, blocks))
-    mine = range(pp_rank, num_stages, pp)
+    mine, head = range(pp_rank, num_stages, pp), head_name(causal_lm)
     return [StageModule(stage_copy(causal_lm, bounds[s], s == 0, s == num_stages - 1), s, num_stages, bounds[s],
-                        inputs) for s in mine]
+                        inputs, head) for s in mine]
 
 
 @dataclass(frozen=True)
@@ -187,8 +229,8 @@ class Shapes:
     """One micro-batch's shapes: every stage's buffers are fixed when the stage is built (torch's STATIC mode; the
     other mode infers them by running the stage's forward on empty tensors, which a stage that reads its batch by
     index cannot do)."""
-    rows: int  # b: trainer.micro_batch_size
-    width: int  # W: data.max_seq_len, every micro-batch padded to it
+    rows: int  # b: trainer.micro_batch_size (pairs: 2 × micro_batch_size rows, or 1 packed row)
+    width: int  # W: data.max_seq_len (a packed row of pairs: 2 × micro_batch_size × it), every micro-batch padded
     hidden: int  # h
     dtype: torch.dtype  # the hidden states' (bf16 under FSDP's bf16 parameters, else fp32)
 

@@ -2,9 +2,10 @@
 the stages by cost. Pure Python (no torch.distributed): the config checks, the planner and the unit tests use it;
 backends/pipeline.py builds the stages from `split_blocks`.
 
-What runs under pp > 1 today (backends/pipeline.py): pretrain and SFT (packed or not), with eval, on the fsdp2
-backend, dp × pp × tp, schedules gpipe / 1f1b / interleaved_1f1b, a decoder with a `model.layers` stack (tied
-embeddings too), fp32 or bf16.
+What runs under pp > 1 today (backends/pipeline.py): pretrain and SFT (packed or not), the reward model, DPO (its
+reference log-probs precomputed through the policy's pipeline: stages/dpo.py), SimPO and ORPO (a pair's two sequences
+in one micro-batch, padded rows or one packed row), with eval, on the fsdp2 backend, dp × pp × tp, schedules gpipe /
+1f1b / interleaved_1f1b, a decoder with a `model.layers` stack (tied embeddings too), fp32 or bf16.
 Everything else is refused here by name, with the fix.
 """
 
@@ -67,9 +68,8 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
                         "would pass every new token through all its stages; use backend.pp=1 (fsdp2 with "
                         "backend.tp for a model that does not fit one rank)")
     elif not stage.pipelines:
-        problems.append(f"stage={stage.name} with backend.pp={pp}: only token-loss stages (pretrain, SFT) run "
-                        "through a pipeline yet (pair losses need both sequences of a pair on the last stage); set "
-                        "backend.pp=1")
+        problems.append(f"stage={stage.name} with backend.pp={pp}: this stage does not run through a pipeline "
+                        "(its StageSpec has pipelines=False); set backend.pp=1")
     schedule = SCHEDULES.get(backend.pp_schedule)
     m = cfg.trainer.grad_accum_steps
     if schedule is not None and schedule[2] and m < pp:

@@ -11,7 +11,8 @@ no storage, on ranks other than 0), empties them, parallelizes them (tp, fsdp) a
 tensors, broadcast one at a time (`load_stages_from_rank0`): only rank 0 ever holds the whole model.
 
 The step (`run_schedule`, called by stages/base.Updater for an engine with `pipelined`): one schedule step over the
-M micro-batches; the last stage's per-micro-batch sums are summed over the pp ranks, so every rank returns them.
+M micro-batches (the schedule is built on the first step, its buffers shaped by that step's micro-batches); the last
+stage's per-micro-batch sums are summed over the pp ranks, so every rank returns them.
 The gradient norm is the whole model's: squared norms summed over the pp ranks.
 """
 
@@ -43,7 +44,16 @@ from llmtrain.backends.fsdp2 import (
     split_groups_by_mesh,
     total_grad_norm,
 )
-from llmtrain.backends.pipeline import RankModel, Shapes, StepInputs, build_parts, build_schedule, widen
+from llmtrain.backends.pipeline import (
+    RankModel,
+    Shapes,
+    StepInputs,
+    build_parts,
+    build_schedule,
+    micro_batch_shape,
+    pad_micro_batch,
+    rows_of,
+)
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 
@@ -148,6 +158,7 @@ class PipelineEngine(FSDP2Engine):
         self.inputs = StepInputs()
         on_meta = ranks_on_meta(model) if ctx.world_size > 1 else []
         rank0_weights = (model.state_dict(), dict(model.named_buffers())) if on_meta and ctx.is_main else None
+        self.model_class = type(model)  # the export's empty whole model (a causal LM, or the reward model's)
         parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
                             log_split=ctx.is_main)
         del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
@@ -163,8 +174,9 @@ class PipelineEngine(FSDP2Engine):
             del rank0_weights
         self.shapes = Shapes(micro_batch_size, seq_len, parts[0].model.config.hidden_size,
                              torch.bfloat16 if self.mixed_precision else torch.float32)
-        self.schedule = build_schedule(parts, schedule, microbatches, ctx.device, self.pp_group, self._loss,
-                                       self.shapes)
+        # built on the first step, its buffers shaped by the stage's micro-batches (pairs: 2 rows per pair, or a row)
+        self.schedule, self.schedule_name, self.micro_batch_size = None, schedule, micro_batch_size
+        self.train_shapes: Shapes | None = None
         self.microbatches, self.loss_scale = microbatches, 1.0
         self.eval_schedule, self.eval_shapes = None, None  # forward only, built on the first evaluation
         groups = split_groups_by_mesh(param_groups(self.model, optim.weight_decay))
@@ -173,7 +185,7 @@ class PipelineEngine(FSDP2Engine):
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)  # fp16 is refused under pp
         # Tied input and output embeddings: a copy on the first stage and one on the last, their gradients summed
-        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and parts[0].head == "lm_head"
         self.tied_group = first_and_last_group(dims) if self.tied else None
 
     # ---- the step --------------------------------------------------------------------------------------------------
@@ -187,17 +199,16 @@ class PipelineEngine(FSDP2Engine):
         if len(micro_batches) != self.microbatches:
             raise ValueError(f"the pipeline was built for {self.microbatches} micro-batches (trainer.grad_accum_steps)"
                              f", this step has {len(micro_batches)}")
-        width = max(batch.width for batch in micro_batches)
-        if width > self.shapes.width or any(b.input_ids.shape[0] > self.shapes.rows for b in micro_batches):
-            shapes = [tuple(b.input_ids.shape) for b in micro_batches]
-            raise ValueError(f"micro-batches of {shapes} tokens do not fit the pipeline's buffers "
-                             f"({self.shapes.rows}, {self.shapes.width})")
-        self.inputs.micro_batches = [widen(b, self.shapes.rows, self.shapes.width, self.attn, self.mask_dtype)
-                                     for b in micro_batches]
+        if self.schedule is None:
+            rows, width = micro_batch_shape(micro_batches[0], self.shapes.width, self.micro_batch_size)
+            self.train_shapes = replace(self.shapes, rows=rows, width=width)
+            self.schedule = build_schedule(self.parts, self.schedule_name, self.microbatches, self.ctx.device,
+                                           self.pp_group, self._loss, self.train_shapes)
+        self.inputs.micro_batches = self._padded(micro_batches, self.train_shapes)
         self.inputs.micro_loss, self.inputs.sums, self.inputs.forward_only = micro_loss, [], False
         self.loss_scale = inverse * self.dp_size
-        rows = self.inputs.micro_batches[0].input_ids.shape[0]
-        ids = torch.cat([b.input_ids for b in self.inputs.micro_batches])  # (M·b, W)
+        rows = self.train_shapes.rows
+        ids = torch.cat([rows_of(b).input_ids for b in self.inputs.micro_batches])  # (M·b, W)
         index = torch.arange(len(micro_batches), device=ids.device).repeat_interleave(rows)  # (M·b,)
         targets = index.clone()  # the last stage reads its labels from its own copy of the batch
         with self.autocast():
@@ -211,6 +222,14 @@ class PipelineEngine(FSDP2Engine):
         self.inputs.micro_batches, self.inputs.sums = [], []
         self._sum_tied_grads()
         return all_reduce_sum(totals, self.pp_group)  # only the last stage's rank holds them
+
+    def _padded(self, micro_batches: list, shapes: Shapes) -> list:
+        """The micro-batches padded to the stage buffers' (rows, width); one that does not fit is an error."""
+        sizes = [tuple(rows_of(b).input_ids.shape) for b in micro_batches]
+        if any(rows > shapes.rows or width > shapes.width for rows, width in sizes):
+            raise ValueError(f"micro-batches of {sizes} tokens do not fit the pipeline's buffers "
+                             f"({shapes.rows}, {shapes.width})")
+        return [pad_micro_batch(b, shapes.rows, shapes.width, self.attn, self.mask_dtype) for b in micro_batches]
 
     def _sum_tied_grads(self) -> None:
         """The embedding's gradient (first stage) + the head's (last stage), on both: one weight's gradient, so both
@@ -229,11 +248,11 @@ class PipelineEngine(FSDP2Engine):
         self.module.eval()
         totals = torch.zeros(size, dtype=torch.float64, device=self.ctx.device)
         for batch in batches:
-            rows = self._eval_rows(batch)
-            self.inputs.micro_batches = [widen(batch, rows, self.shapes.width, self.attn, self.mask_dtype)]
+            shapes = self._eval_shapes(batch)
+            self.inputs.micro_batches = self._padded([batch], shapes)
             self.inputs.micro_loss, self.inputs.sums, self.inputs.forward_only = micro_sums, [], True
-            ids, index = self.inputs.micro_batches[0].input_ids, torch.zeros(rows, dtype=torch.long,
-                                                                               device=self.ctx.device)
+            ids = rows_of(self.inputs.micro_batches[0]).input_ids  # (b, W)
+            index = torch.zeros(shapes.rows, dtype=torch.long, device=self.ctx.device)  # (b,)
             with self.autocast():
                 if any(part.is_first for part in self.parts):
                     self.eval_schedule.step(ids, index, return_outputs=False)
@@ -244,17 +263,15 @@ class PipelineEngine(FSDP2Engine):
         self.inputs.micro_batches, self.inputs.sums, self.inputs.forward_only = [], [], False
         return all_reduce_sum(totals, self.pp_group)
 
-    def _eval_rows(self, batch) -> int:
-        """The evaluation stages' rows: the first batch's (trainer.eval_batch_size; a shorter last batch is padded)."""
+    def _eval_shapes(self, batch) -> Shapes:
+        """The evaluation stages' shapes: for the first batch's examples (trainer.eval_batch_size; a shorter last
+        batch is padded)."""
         if self.eval_schedule is None:
-            rows = batch.input_ids.shape[0]
-            shapes = replace(self.shapes, rows=rows)
+            rows, width = micro_batch_shape(batch, self.shapes.width)
+            shapes = replace(self.shapes, rows=rows, width=width)
             self.eval_schedule = build_schedule(self.parts, "gpipe", 1, self.ctx.device, self.pp_group, None, shapes)
             self.eval_shapes = shapes
-        if batch.input_ids.shape[0] > self.eval_shapes.rows:
-            raise ValueError(f"an evaluation batch of {batch.input_ids.shape[0]} rows exceeds the pipeline's "
-                             f"{self.eval_shapes.rows}")
-        return self.eval_shapes.rows
+        return self.eval_shapes
 
     @contextlib.contextmanager
     def no_sync(self, is_last_micro_batch: bool):
@@ -305,10 +322,8 @@ class PipelineEngine(FSDP2Engine):
 
     def _whole_model(self) -> torch.nn.Module:
         """An empty model of the whole architecture (meta): save_pretrained writes the gathered tensors with it."""
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(self.model.config)
+            return self.model_class._from_config(self.model.config)
 
 
 class FSDP2PipelineBackend(FSDP2Backend):

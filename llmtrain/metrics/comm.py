@@ -9,6 +9,10 @@ built-in's arithmetic), which reaches `dist.all_reduce` from Python per bucket. 
 wrapped in both namespaces (`torch.distributed` and `distributed_c10d`), each call counted once; outside, the
 originals are back.
 
+Pipeline stages (backend.pp > 1) send their hidden states forward and their gradients back point to point: every
+torch.distributed.pipelining schedule takes the sends of a micro-batch from its stage's `get_fwd_send_ops` /
+`get_bwd_send_ops`, which are wrapped too while counting (kind `p2p`: the bytes this rank sends, payload = wire).
+
 Per call: the payload (the whole tensor handed to it: an all-gather's output, a reduce-scatter's input, the
 all-reduced tensor) and the ring wire volume this rank sends: 2(g-1)/g of the payload for an all-reduce, (g-1)/g for
 the others (docs/formulas.md, "Collectives") — named apart, like metrics/cost.py's `Collective.payload` and `.wire`.
@@ -17,13 +21,15 @@ the others (docs/formulas.md, "Collectives") — named apart, like metrics/cost.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "all_to_all", "p2p")
+PIPELINE_SENDS = ("get_fwd_send_ops", "get_bwd_send_ops")  # torch.distributed.pipelining's stage methods
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str):
@@ -78,6 +84,37 @@ class CommCounter:
         counted.__wrapped__ = original
         return counted
 
+    def _wrap_sends(self, original):
+        """A pipeline stage's send-op getter, counting the bytes of the tensors it hands to isend."""
+        def counted(stage, *args, **kwargs):
+            ops = original(stage, *args, **kwargs)
+            sent = sum(_bytes(op.tensor) for op in ops)
+            self.payload["p2p"] += sent
+            self.wire["p2p"] += sent
+            self.calls["p2p"] += len(ops)
+            return ops
+
+        counted.__wrapped__ = original
+        return counted
+
+    @contextlib.contextmanager
+    def _counting_sends(self):
+        """Wrap the pipeline stages' send-op getters for the block (when torch's pipelining is loaded: else no run
+        sends through it)."""
+        module = sys.modules.get("torch.distributed.pipelining.stage")
+        if module is None:
+            yield
+            return
+        base = module._PipelineStageBase
+        saved = {name: getattr(base, name) for name in PIPELINE_SENDS}
+        try:
+            for name, original in saved.items():
+                setattr(base, name, self._wrap_sends(original))
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(base, name, original)
+
     @contextlib.contextmanager
     def counting(self):
         """Wrap the collectives for the block; the originals are restored after it, whatever happens."""
@@ -86,7 +123,8 @@ class CommCounter:
         try:
             for module, name in saved:
                 setattr(module, name, self._wrap(name, originals[name]))
-            yield self
+            with self._counting_sends():
+                yield self
         finally:
             for (module, name), function in saved.items():
                 setattr(module, name, function)

@@ -162,7 +162,7 @@ def fused_head_bytes(b: int, s: int, vocab: int, hidden: int, chunk: int, held_g
 @dataclass(frozen=True)
 class Collective:
     what: str
-    kind: str  # all_reduce | all_gather | reduce_scatter | reduce
+    kind: str  # all_reduce | all_gather | reduce_scatter | reduce | all_to_all | p2p
     payload: float  # bytes of the full tensor handed to one call
     group: int  # ranks taking part
     times: int = 1  # calls per optimizer step
@@ -170,9 +170,12 @@ class Collective:
 
     @property
     def wire(self) -> float:
-        """Ring bytes each rank sends: (g-1)/g of the payload, twice for an all-reduce."""
+        """Ring bytes each rank sends: (g-1)/g of the payload, twice for an all-reduce; a point-to-point send (p2p:
+        pipeline stages) sends its payload once."""
         if self.group <= 1:
             return 0.0
+        if self.kind == "p2p":
+            return self.payload * self.times
         return (2 if self.kind == "all_reduce" else 1) * (self.group - 1) / self.group * self.payload * self.times
 
 

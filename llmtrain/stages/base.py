@@ -186,5 +186,18 @@ def reduce_sums(values: list[torch.Tensor], engine) -> list[float]:
     return all_reduce_sum(stacked, engine.dp_group).tolist()
 
 
+def eval_totals(engine, batches: Iterable, batch_sums: Callable, size: int) -> list[float]:
+    """Σ over the batches of `batch_sums(module, batch) -> (size,)` fp64, summed over the data-parallel ranks. A
+    pipelined engine (backend.pp > 1) runs each batch through its stages and computes the sums on the last stage."""
+    if getattr(engine, "pipelined", False):
+        sums = engine.evaluate_sums(batches, batch_sums, size)
+    else:
+        sums = torch.zeros(size, dtype=torch.float64, device=engine.ctx.device)
+        for batch in batches:
+            with engine.autocast():
+                sums += batch_sums(engine.module, batch)
+    return reduce_sums(list(sums), engine)
+
+
 def trainable_roles(roles: dict[str, RoleSpec]) -> list[str]:
     return [name for name, spec in roles.items() if spec.trainable]

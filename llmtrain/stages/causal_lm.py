@@ -14,7 +14,7 @@ import torch
 from llmtrain.data.collate import Batch, collate
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood
-from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, eval_totals
 from llmtrain.stages.head import lm_forward, routed_update, target_logps, with_router
 from llmtrain.stages.spec import SFT_FORMATS, StageSpec
 
@@ -53,15 +53,7 @@ class CausalLMStage(Stage):
     def evaluate(self, batches, engines: dict) -> dict:
         engine = engines["policy"]
         engine.module.eval()
-        if getattr(engine, "pipelined", False):  # the last stage computes the sums (backends/pipeline.py)
-            sums = list(engine.evaluate_sums(batches, self.eval_sums, 3))
-        else:
-            sums = [torch.zeros((), dtype=torch.float64, device=engine.ctx.device) for _ in range(3)]
-            for batch in batches:
-                with engine.autocast():
-                    for i, value in enumerate(self.eval_sums(engine.module, batch)):
-                        sums[i] += value
-        loss_sum, targets, correct = reduce_sums(sums, engine)
+        loss_sum, targets, correct = eval_totals(engine, batches, self.eval_sums, 3)
         eval_loss = loss_sum / max(targets, 1)
         return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
                 "eval_accuracy": correct / max(targets, 1), "eval_tokens": int(targets)}

@@ -7,6 +7,15 @@ dropout), or once before training with dpo.precompute_ref_logps (stages/referenc
 step: Σ_pairs ℓ(β·((π_c − ref_c) − (π_r − ref_r))) / pairs in the global batch, ℓ from `dpo.loss` (sigmoid,
 with optional label smoothing = cDPO; ipo on length-averaged log-probs, as TRL). At step 0 the policy equals the
 reference: the loss is ln 2, the rewards are 0.
+
+Under backend.pp > 1 the reference log-probs are computed once, before step 1, by a forward-only pass through the
+POLICY's own pipeline stages (`initial_policy_logps`), and kept as dpo.precompute_ref_logps keeps them. Why not a
+frozen pipelined reference role: the policy before its first update is the reference (same source; `prepare` runs
+before a resumed run loads its checkpoint, so it holds the initial weights then too), so this needs no second set of
+stages, no second copy of the weights and no reference forward in every step; a frozen role would need its own stage
+buffers and schedule, and its last stage would have to hand log-probs to the policy's last stage, on another rank
+whenever the two splits differ. So under pp dpo.precompute_ref_logps=false (the in-step reference) is refused with
+that fix, and no reference role is built.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from llmtrain.losses.dpo import (
     dpo_metrics,
     dpo_stat_sums,
 )
-from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, eval_totals
 from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import (
     PairBatch,
@@ -59,7 +68,7 @@ class DPOStage(Stage):
 
     def __init__(self, source: ModelSource, pad_token_id: int, *, beta: float, loss: str, label_smoothing: float,
                  padding_free: bool = False, cache_path: Path | None = None, resumed_run: Path | None = None,
-                 eval_batch_size: int = 1):
+                 eval_batch_size: int = 1, pipelined: bool = False):
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.average = loss in AVERAGED_LOGPS
         # dpo.precompute_ref_logps: the table's file in this run (None: off); a resumed run finds it there or beside
@@ -69,7 +78,8 @@ class DPOStage(Stage):
         places = [] if cache_path is None else [cache_path, *([resumed_run / CACHE_FILE] if resumed_run else [])]
         self.cache = next(filter(None, (load_cache(place, self.cache_meta) for place in places)), None)
         self.roles = dpo_roles(None, source)
-        if self.cache is not None:
+        self.pipelined = pipelined  # backend.pp > 1: the reference log-probs come from the policy's own stages
+        if self.cache is not None or pipelined:
             del self.roles["reference"]
         self.collate = partial(collate_pairs, pad_token_id=pad_token_id, padding_free=padding_free,
                                keyed=cache_path is not None)
@@ -81,13 +91,14 @@ class DPOStage(Stage):
             if engines["policy"].ctx.is_main and not self.cache_path.is_file():
                 self.cache.save(self.cache_path)
             return engines
-        reference = engines["reference"]
+        reference = engines["policy" if self.pipelined else "reference"]
         batches = (prepare_batch(batch) for examples in (data.train, data.eval) if examples is not None
                    for batch in eval_batches(examples, batch_size=self.eval_batch_size, dp_rank=reference.dp_rank,
                                              dp_size=reference.dp_size, collate_fn=self.collate)())
-        self.cache = compute_cache(partial(self.reference_logps, reference), batches, self.cache_meta,
-                                   self.cache_path, reference.ctx.is_main)
-        del self.roles["reference"]
+        logps = self.initial_policy_logps if self.pipelined else self.reference_logps
+        self.cache = compute_cache(partial(logps, reference), batches, self.cache_meta, self.cache_path,
+                                   reference.ctx.is_main)
+        self.roles.pop("reference", None)
         return {role: engine for role, engine in engines.items() if role != "reference"}
 
     def logps(self, module, batch: PairBatch, route: bool = False):
@@ -103,6 +114,14 @@ class DPOStage(Stage):
             return self.cache.lookup(batch.keys, batch.weight)
         with reference.autocast():
             return self.logps(reference.module, batch)
+
+    @torch.no_grad()
+    def initial_policy_logps(self, policy, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen (P,), rejected (P,)): the pipelined policy's forward before its first update (the reference's
+        log-probs: module docstring), computed on its last stage and summed over the pp ranks (the others add 0)."""
+        both = policy.evaluate_sums([batch], lambda module, rows: torch.cat(self.logps(module, rows)),
+                                    batch.num_sequences)  # (2P,) fp64, exactly the fp32 values
+        return batch.split(both.float())
 
     def terms(self, policy_logps, reference_logps):
         return dpo_loss_terms(*policy_logps, *reference_logps, beta=self.beta, loss_type=self.loss,
@@ -129,17 +148,24 @@ class DPOStage(Stage):
     def evaluate(self, batches, engines: dict) -> dict:
         policy, reference = engines["policy"], engines.get("reference")
         policy.module.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=policy.ctx.device)  # loss, correct, margin, pairs
-        for batch in batches:
-            with policy.autocast():
-                terms = self.terms(self.logps(policy.module, batch), self.reference_logps(reference, batch))
-            sums += reward_eval_sums(terms, batch)
-        return reward_eval_metrics(reduce_sums(list(sums), policy))
+
+        def batch_sums(module, batch: PairBatch) -> torch.Tensor:  # (4,) loss, correct, margin, pairs
+            return reward_eval_sums(self.terms(self.logps(module, batch), self.reference_logps(reference, batch)),
+                                    batch)
+
+        return reward_eval_metrics(eval_totals(policy, batches, batch_sums, 4))
+
+
+def pp_degree(cfg) -> int:
+    return getattr(cfg.backend, "pp", 1) or 1
 
 
 def dpo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
-    return {"policy": RoleSpec(source, head="lm", trainable=True),
-            "reference": RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")}
+    """The policy and its frozen reference; under backend.pp > 1 the policy alone (module docstring)."""
+    roles = {"policy": RoleSpec(source, head="lm", trainable=True)}
+    if cfg is None or pp_degree(cfg) == 1:
+        roles["reference"] = RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")
+    return roles
 
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOStage:
@@ -148,7 +174,8 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOS
     return DPOStage(source, tokenizer.pad_token_id, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing,
                     padding_free=padding_free_for(attn_implementation),
                     cache_path=Path(cfg.output_dir) / CACHE_FILE if d.precompute_ref_logps else None,
-                    resumed_run=resumed_run_dir(cfg.resume), eval_batch_size=t.eval_batch_size or t.micro_batch_size)
+                    resumed_run=resumed_run_dir(cfg.resume), eval_batch_size=t.eval_batch_size or t.micro_batch_size,
+                    pipelined=pp_degree(cfg) > 1)
 
 
 def resumed_run_dir(resume: str | None) -> Path | None:
@@ -167,6 +194,10 @@ def problems(cfg, dp: int) -> list[str]:
         found.append(f"dpo.beta={d.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
     if not 0 <= d.label_smoothing < 0.5:
         found.append(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
+    if pp_degree(cfg) > 1 and not d.precompute_ref_logps:
+        found.append(f"stage=dpo with backend.pp={pp_degree(cfg)} computes the reference log-probs once, before step "
+                     "1, through the policy's own pipeline (no frozen pipelined reference role is built): set "
+                     "dpo.precompute_ref_logps=true, or backend.pp=1 for the in-step reference")
     if d.loss in DPO_LOSSES and d.loss not in SMOOTHED_LOSSES and d.label_smoothing > 0:
         found.append(f"dpo.label_smoothing applies to dpo.loss={' or '.join(sorted(SMOOTHED_LOSSES))} only: set it to "
                      f"0 with {d.loss}")

@@ -21,7 +21,7 @@ from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
 from llmtrain.parallel import all_reduce_sum
-from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
+from llmtrain.stages.base import ModelSource, Stage, Updater, eval_totals
 from llmtrain.stages.causal_lm import policy_role
 from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
@@ -113,23 +113,22 @@ class ORPOStage(Stage):
     def evaluate(self, batches, engines: dict) -> dict:
         policy = engines["policy"]
         policy.module.eval()
-        # NLL, odds-ratio loss, correct, margin, pairs, chosen target tokens
-        sums = torch.zeros(6, dtype=torch.float64, device=policy.ctx.device)
-        for batch in batches:
-            with policy.autocast():
-                chosen_sum, chosen, rejected = self.logps(policy.module, batch)
-                terms = self.terms(chosen, rejected)
-            w = batch.weight.double()  # (P,) 0 for a filler pair (whose labels are all masked: no NLL, no tokens)
-            margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
-            sums += torch.stack([-chosen_sum.double().sum(), (terms.losses.double() * w).sum(),
-                                 ((margin > 0).double() * w).sum(), (margin * w).sum(), w.sum(),
-                                 torch.tensor(float(batch.num_chosen_targets), dtype=torch.float64,
-                                              device=sums.device)])
-        nll, ratio, correct, margin, pairs, tokens = reduce_sums(list(sums), policy)
+        nll, ratio, correct, margin, pairs, tokens = eval_totals(policy, batches, self.eval_sums, 6)
         pairs, tokens = max(pairs, 1), max(tokens, 1)
         return {"eval_loss": nll / tokens + ratio / pairs, "eval_nll_loss": nll / tokens,
                 "eval_reward_accuracy": correct / pairs, "eval_reward_margin": margin / pairs,
                 "eval_pairs": int(pairs)}
+
+
+    def eval_sums(self, module, batch: ORPOPairBatch) -> torch.Tensor:
+        """(6,) fp64: NLL, odds-ratio loss, correct, margin, pairs, chosen target tokens of one batch."""
+        chosen_sum, chosen, rejected = self.logps(module, batch)
+        terms = self.terms(chosen, rejected)
+        w = batch.weight.double()  # (P,) 0 for a filler pair (whose labels are all masked: no NLL, no tokens)
+        margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
+        return torch.stack([-chosen_sum.double().sum(), (terms.losses.double() * w).sum(),
+                            ((margin > 0).double() * w).sum(), (margin * w).sum(), w.sum(),
+                            torch.tensor(float(batch.num_chosen_targets), dtype=torch.float64, device=w.device)])
 
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> ORPOStage:

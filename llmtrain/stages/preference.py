@@ -62,6 +62,26 @@ class PairBatch:
     def for_attention(self, attn_implementation: str, mask_dtype: torch.dtype = torch.float32) -> PairBatch:
         return replace(self, rows=self.rows.for_attention(attn_implementation, mask_dtype))
 
+    def with_rows(self, rows: Batch) -> PairBatch:
+        """This batch on `rows`, its own rows padded (backends/pipeline.widen: more columns, more rows after them):
+        each sequence keeps its row and column, so `ends` is re-indexed for the new width and `sequence_ids` padded
+        with -1 (no sequence)."""
+        old_rows, old_width = self.rows.input_ids.shape
+        new_rows, new_width = rows.input_ids.shape
+        if new_rows < old_rows or new_width < old_width:
+            raise ValueError(f"rows of {(new_rows, new_width)} cannot hold this batch's {(old_rows, old_width)}")
+        ends = torch.div(self.ends, old_width, rounding_mode="floor") * new_width + self.ends % old_width  # (2P,)
+        sequence_ids = torch.nn.functional.pad(self.sequence_ids, (0, new_width - old_width, 0, new_rows - old_rows),
+                                               value=-1)  # (R', T')
+        return replace(self, rows=rows, ends=ends, sequence_ids=sequence_ids)
+
+    def pipeline_shape(self, pairs: int | None, seq_len: int) -> tuple[int, int]:
+        """(rows, width) that hold any batch of `pairs` pairs (None: this batch's, fillers too) laid out as this one,
+        sequences up to `seq_len` tokens: 2·pairs rows of seq_len, or (padding-free) one packed row of
+        2·pairs·seq_len."""
+        pairs = pairs or self.margin.shape[0]
+        return (1, 2 * pairs * seq_len) if self.rows.is_packed else (2 * pairs, seq_len)
+
     def split(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(2P, ...) -> chosen (P, ...), rejected (P, ...)."""
         half = values.shape[0] // 2
@@ -117,9 +137,10 @@ def reward_eval_metrics(sums: list[float]) -> dict:
 
 
 def pair_spec(**fields) -> StageSpec:
-    """The spec of a pairwise stage: preference data, both sequences of a pair in one forward, counted in pairs."""
+    """The spec of a pairwise stage: preference data, both sequences of a pair in one forward, counted in pairs. Under
+    backend.pp > 1 a pair's sequences travel in one micro-batch and its loss is computed on the last stage."""
     return StageSpec(data_formats=PREFERENCE_FORMATS, data_hint=PAIR_DATA_HINT, count_name="pairs",
-                     sequences_per_sample=2, **fields)
+                     sequences_per_sample=2, pipelines=True, **fields)
 
 
 def pair_problems(cfg, stage: str) -> list[str]:

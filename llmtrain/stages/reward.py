@@ -20,7 +20,7 @@ from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise
 from llmtrain.models.heads import scores_at
 from llmtrain.models.load import use_distinct_pad_token
 from llmtrain.models.moe import captured_router_logits, router_of, router_terms
-from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, reduce_sums
+from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, eval_totals
 from llmtrain.stages.head import routed_update, with_router
 from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
 
@@ -45,7 +45,8 @@ class RewardStage(Stage):
         self.reward_stats: dict[str, float] = {}  # the last eval's reward mean / std
 
     def scores(self, engine, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r_chosen (P,), r_rejected (P,)) in fp32, from one forward of the 2P rows."""
+        """(r_chosen (P,), r_rejected (P,)) in fp32, from one forward of the 2P rows (`forward`: the engine's module,
+        or under backend.pp the last stage's view; the score layer is the engine's model's, on that stage)."""
         rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs())  # (2P,)
         return batch.split(rewards)
 
@@ -79,12 +80,8 @@ class RewardStage(Stage):
         engine.module.eval()
         names = ("loss", "pairs", "margin", "correct_easy", "easy", "correct_hard", "hard", "reward_sum",
                  "reward_sq")
-        sums = torch.zeros(len(names), dtype=torch.float64, device=engine.ctx.device)
-        for batch in batches:
-            with engine.autocast():
-                chosen, rejected = self.scores(engine, engine.module, batch)
-            sums += eval_sums(chosen, rejected, batch)
-        totals = dict(zip(names, reduce_sums(list(sums), engine)))
+        totals = dict(zip(names, eval_totals(engine, batches, lambda module, batch: eval_sums(
+            *self.scores(engine, module, batch), batch), len(names))))
         pairs = max(totals["pairs"], 1)
         mean = totals["reward_sum"] / (2 * pairs)
         self.reward_stats = {"reward_mean": mean,

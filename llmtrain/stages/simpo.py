@@ -15,7 +15,7 @@ import torch
 
 from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.reference_free import SimPOTerms, simpo_terms
-from llmtrain.stages.base import ModelSource, Stage, Updater, reduce_sums
+from llmtrain.stages.base import ModelSource, Stage, Updater, eval_totals
 from llmtrain.stages.causal_lm import policy_role
 from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import (
@@ -75,11 +75,9 @@ class SimPOStage(Stage):
     def evaluate(self, batches, engines: dict) -> dict:
         policy = engines["policy"]
         policy.module.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=policy.ctx.device)  # loss, correct, margin, pairs
-        for batch in batches:
-            with policy.autocast():
-                sums += reward_eval_sums(self.terms(self.logps(policy.module, batch)), batch)
-        return reward_eval_metrics(reduce_sums(list(sums), policy))
+        sums = eval_totals(policy, batches, lambda module, batch: reward_eval_sums(  # loss, correct, margin, pairs
+            self.terms(self.logps(module, batch)), batch), 4)
+        return reward_eval_metrics(sums)
 
 
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> SimPOStage:

@@ -8,22 +8,33 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
   dp 2 × pp 2 on 4 ranks (micro-batch 1, so the global batch stays 8; FSDP2 shards each stage over its dp pair);
   pp 2 × tp 2 on 4 ranks (TP on each stage, then FSDP); tied embeddings (a copy on each end stage, gradients
   summed), and a one-process tied checkpoint (the weight and its Adam state once) resumed at pp=2.
+- p2p: the bytes each rank hands to isend in steps 1 and 2 (metrics/comm.py counts them) are the planner's
+  (plan_pp.pipeline_p2p: hidden states forward, gradients back) plus the micro-batch index (b int64) each forward send
+  carries, for 1f1b, interleaved (4 stages on 2 ranks) and the reward model's packed pair rows.
 - resume: a pp=2 checkpoint resumed at pp=2 is bitwise; resumed in one process (pp2 → 1) and a one-process checkpoint
   resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
 - the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
   one-process run's export to 1e-5.
 - eval: loss, accuracy and token count computed on the last stage reach rank 0's metrics.jsonl, equal to one
   process's (loss 1e-6 relative at step 0, 1e-5 after).
+- pairs (the saved 2-block tiny Llama, one block per stage; 4 steps of 8 pairs: micro 2 pairs × M 4; eval of 32
+  held-out pairs at steps 0, 2, 4): the reward model under 1f1b and DPO under gpipe (its reference log-probs computed
+  through the policy's own pipeline before step 1, against one process's frozen reference engine precomputing them)
+  equal one process on loss, grad norm and the stage's metrics (accuracy, margins, eval) within 1e-5; DPO's step-1
+  rewards are exactly 0 (the precomputed reference IS the policy's first forward); a DPO pp=2 checkpoint resumes
+  bitwise. ORPO (1f1b: its NLL over the chosen tokens and its odds-ratio term over the pairs, two normalisers) too.
+  The pp=2 reward model's `hf/` export is the whole sequence classifier (score head included), equal to one process's.
 Runs are cached per module: each torchrun launch serves several assertions.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -47,24 +58,60 @@ RUNS = {
 }
 
 
+DATA = REPO / "llmtrain" / "assets" / "data"
+PAIRS = ["trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=4",
+         "trainer.save_every_n_steps=2", "trainer.keep_last_k=2", "trainer.eval_every_n_steps=2",
+         "trainer.eval_batch_size=16", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2",
+         "optim.weight_decay=0.1", "model.from_config=null", "model.tokenizer=null", "backend=fsdp2"]
+DPO = ["recipe=dpo_tiny", "dpo.beta=0.5", "dpo.precompute_ref_logps=true"]
+# name: (processes, overrides), each after PAIRS, the saved model and the held-out pairs
+PAIR_RUNS = {
+    "rm_one": (1, ["recipe=rm_tiny"]),
+    "rm_1f1b": (2, ["recipe=rm_tiny", *PP, "backend.pp_schedule=1f1b"]),
+    "dpo_one": (1, DPO),
+    "dpo_gpipe": (2, [*DPO, *PP, "backend.pp_schedule=gpipe"]),
+    "orpo_one": (1, ["recipe=orpo_tiny"]),
+    "orpo_1f1b": (2, ["recipe=orpo_tiny", *PP, "backend.pp_schedule=1f1b"]),
+}
+
+
 class Runs:
-    def __init__(self, root: Path):
-        self.root, self.done, self.logs = root, {}, {}
+    def __init__(self, root: Path, model_dir: Path | None = None):
+        self.root, self.done, self.logs, self.model_dir = root, {}, {}, model_dir
 
     def get(self, name: str, *extra: str, nproc: int | None = None, key: str | None = None) -> Path:
-        key = key or name
+        processes, overrides = RUNS[name]
+        return self._run(key or name, [*BASE, *overrides, *extra], nproc or processes)
+
+    def pairs(self, name: str, *extra: str, key: str | None = None) -> Path:
+        processes, overrides = PAIR_RUNS[name]
+        # 64 training pairs (4 steps use 32) and 32 held-out ones: DPO's reference pass over all of them before step 1
+        # and the evals run through the stages without dominating the run
+        train, held_out = (self._head(f"reverse_prefs_{part}.jsonl", lines) for part, lines in (("train", 64),
+                                                                                                ("eval", 32)))
+        args = [*PAIRS, *overrides, f"model.name_or_path={self.model_dir}", f"data.train_files=[{train}]",
+                f"data.eval_files=[{held_out}]", *extra]
+        return self._run(key or name, args, processes)
+
+    def _head(self, name: str, lines: int) -> Path:
+        """The first `lines` examples of a shipped data file, written once."""
+        path = self.root / name
+        if not path.exists():
+            path.write_text("".join((DATA / name).read_text().splitlines(True)[:lines]))
+        return path
+
+    def _run(self, key: str, args: list[str], nproc: int) -> Path:
         if key not in self.done:
-            processes, overrides = RUNS[name]
             out = self.root / key
-            result = run_cli([*BASE, *overrides, f"output_dir={out}", *extra], nproc=nproc or processes)
+            result = run_cli([*args, f"output_dir={out}"], nproc=nproc)
             assert_ok(result)
             self.done[key], self.logs[key] = out, result.stdout + result.stderr
         return self.done[key]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("pp_runs"))
+def runs(tmp_path_factory, tiny_model_dir) -> Runs:
+    return Runs(tmp_path_factory.mktemp("pp_runs"), tiny_model_dir)
 
 
 def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) -> None:
@@ -128,3 +175,78 @@ def test_hf_export_is_the_whole_model(runs):
     assert sorted(ours) == sorted(reference) and any(".layers.3." in key for key in ours)
     for key, value in reference.items():
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+# ---- pairs: the reward model and DPO -------------------------------------------------------------------------------
+
+PAIR_METRICS = {"rm": ("accuracy", "margin", "reward_chosen", "reward_rejected"),
+                "dpo": ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected"),
+                "orpo": ("reward_accuracy", "reward_margin", "nll_loss", "log_odds_ratio")}
+PAIR_EVAL = {"rm": ("eval_loss", "eval_margin", "eval_reward_mean", "eval_reward_std"),
+             "dpo": ("eval_loss", "eval_reward_margin"), "orpo": ("eval_loss", "eval_nll_loss", "eval_reward_margin")}
+
+
+@pytest.mark.parametrize("name,reference", [("rm_1f1b", "rm_one"), ("dpo_gpipe", "dpo_one"), ("orpo_1f1b", "orpo_one")])
+def test_pair_stages_through_the_pipeline_equal_one_process(runs, name, reference, assert_close_series):
+    (ours, our_evals), (theirs, their_evals) = read_metrics(runs.pairs(name)), read_metrics(runs.pairs(reference))
+    stage = name.split("_")[0]
+    assert [r["step"] for r in ours] == [1, 2, 3, 4] and [r["pairs"] for r in ours] == [8] * 4
+    assert_close_series(ours, theirs, "loss", 1e-6, 1e-5)
+    assert_close_series(ours, theirs, "grad_norm", 1e-6, 1e-5)
+    for key in PAIR_METRICS[stage]:  # computed on the last stage, in rank 0's metrics.jsonl
+        assert_close_series(ours, theirs, key, 1e-5, 1e-5, atol=1e-6)
+    assert [r["step"] for r in our_evals] == [0, 2, 4] == [r["step"] for r in their_evals]
+    assert [r["eval_pairs"] for r in our_evals] == [32] * 3
+    for key in PAIR_EVAL[stage]:
+        assert_close_series(our_evals, their_evals, key, 1e-5, 1e-5, atol=1e-6)
+    assert theirs[-1]["loss"] != theirs[0]["loss"]
+
+
+def test_dpo_reference_comes_from_the_policys_own_pipeline(runs):
+    """The reference log-probs, precomputed through the stages before step 1, equal the policy's first training
+    forward bit for bit: step 1's rewards are exactly 0 and its loss is ln 2 (in float32)."""
+    run = runs.pairs("dpo_gpipe")
+    first = read_metrics(run)[0][0]
+    assert (first["reward_chosen"], first["reward_rejected"], first["reward_margin"]) == (0.0, 0.0, 0.0)
+    assert abs(first["loss"] - math.log(2)) < 1e-7
+    assert (run / "ref_logps.pt").is_file() and "the reference role is released" in runs.logs["dpo_gpipe"]
+
+
+def test_dpo_bitwise_resume_at_pp2(runs):
+    straight = runs.pairs("dpo_gpipe")
+    resumed = runs.pairs("dpo_gpipe", f"resume={straight}/checkpoints/step_2", key="dpo_gpipe_resumed")
+    continued, reference = read_metrics(resumed)[0], read_metrics(straight)[0][2:]
+    assert [r["step"] for r in continued] == [3, 4]
+    assert [(r["loss"], r["grad_norm"], r["reward_margin"]) for r in continued] == \
+        [(r["loss"], r["grad_norm"], r["reward_margin"]) for r in reference]
+
+
+# ---- the live cost's p2p bytes next to the planner's ---------------------------------------------------------------
+
+# run -> (forward sends per rank in a step: each carries the micro-batch index too, rows of the stage buffers)
+P2P = {"1f1b": ([4, 0], 2), "interleaved": ([8, 4], 2), "rm_1f1b": ([4, 0], 1)}
+
+
+@pytest.mark.parametrize("name", list(P2P))
+def test_counted_p2p_bytes_are_the_planners(runs, name):
+    run = runs.pairs(name) if name in PAIR_RUNS else runs.get(name)
+    forward_sends, rows = P2P[name]
+    for record in read_metrics(run)[0][:2]:
+        plan = record["plan_comm_p2p_payload"]
+        assert plan > 0 and record["plan_comm_p2p_wire"] == plan
+        counted = [record[f"comm_r{rank}_p2p_payload"] for rank in range(2)]
+        assert counted == [plan + sends * rows * 8 for sends in forward_sends]  # the busiest rank's figure, exactly
+
+
+def test_reward_model_export_is_the_whole_sequence_classifier(runs):
+    """The pp=2 reward model's `hf/` (each stage's tensors gathered to rank 0, the score head from the last stage)
+    loads as the one-process export, to 1e-5, with the eval's reward statistics in its config."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    ours = AutoModelForSequenceClassification.from_pretrained(runs.pairs("rm_1f1b") / "hf")
+    theirs = AutoModelForSequenceClassification.from_pretrained(runs.pairs("rm_one") / "hf")
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) and "score.weight" in ours.state_dict()
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=0, atol=1e-5, msg=key)
+    assert abs(ours.config.reward_mean - theirs.config.reward_mean) <= 1e-5 * abs(theirs.config.reward_mean) + 1e-7

@@ -130,12 +130,23 @@ def test_pipeline_refusals_name_the_field_and_the_fix(overrides, world, needle):
     assert needle in problems(*PP2, *overrides, world=world)
 
 
-@pytest.mark.parametrize("recipe,needle", [
-    ("dpo_tiny", "stage=dpo with backend.pp=2: only token-loss stages (pretrain, SFT)"),
-    ("rm_tiny", "stage=reward with backend.pp=2: only token-loss stages (pretrain, SFT)"),
-])
-def test_pair_stages_are_refused(recipe, needle):
-    assert needle in problems(*PP2, recipe=recipe)
+@pytest.mark.parametrize("recipe,extra", [("rm_tiny", []), ("simpo_tiny", []), ("orpo_tiny", []),
+                                          ("dpo_tiny", ["dpo.precompute_ref_logps=true"])])
+def test_pair_stages_pass_the_pipeline_checks(recipe, extra):
+    assert problems(*PP2, *extra, recipe=recipe) == ""
+
+
+def test_dpo_under_pp_refuses_the_in_step_reference_and_builds_no_reference_role():
+    from llmtrain.stages.base import ModelSource
+    from llmtrain.stages.dpo import dpo_roles
+
+    found = problems(*PP2, recipe="dpo_tiny")
+    assert "stage=dpo with backend.pp=2 computes the reference log-probs once" in found
+    assert "set dpo.precompute_ref_logps=true, or backend.pp=1" in found
+    source = ModelSource("x")
+    cfg = compose_config(["recipe=dpo_tiny", *PP2, "dpo.precompute_ref_logps=true"])
+    assert list(dpo_roles(cfg, source)) == ["policy"]  # what the planner counts
+    assert list(dpo_roles(compose_config(["recipe=dpo_tiny"]), source)) == ["policy", "reference"]
 
 
 @pytest.mark.parametrize("recipe,stage", [("grpo_tiny", "grpo"), ("ppo_tiny", "ppo")])
@@ -184,6 +195,17 @@ def test_bubble_and_in_flight_formulas():
     assert [in_flight("gpipe", 4, r, 8, 1) for r in range(4)] == [8] * 4
     assert [in_flight("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight("interleaved_1f1b", 2, r, 4, 2) for r in range(2)] == [5, 3]
+
+
+def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
+    from llmtrain.plan_pp import p2p_sends, pipeline_p2p
+
+    assert p2p_sends(2, 1, 4) == [4, 4]  # stage 0 sends forward, stage 1 backward, once per micro-batch
+    assert p2p_sends(4, 1, 8) == [8, 16, 16, 8]  # the middle stages send both ways
+    assert p2p_sends(2, 2, 4) == [12, 12]  # rank 0: stage 0 (forward) + stage 2 (both); rank 1: stage 1 + stage 3
+    [p2p] = pipeline_p2p(pp_backend(pp=4), rows=2, accum=8, seq=16, hidden=32, precision="fp32")
+    assert (p2p.kind, p2p.payload, p2p.times, p2p.wire) == ("p2p", 2 * 16 * 32 * 4, 16, 16 * 2 * 16 * 32 * 4)
+    assert pipeline_p2p(pp_backend(pp=1), rows=2, accum=8, seq=16, hidden=32, precision="bf16") == []
 
 
 def test_plan_prints_each_pp_ranks_stages():
