@@ -21,8 +21,9 @@ def sp_problems(cfg: Any) -> list[str]:
         return []
     spec, problems = stage_spec(cfg.stage.name), []
     if not spec.sequence_parallel:
+        runs = ", ".join(f"stage={name}" for name in stage_names() if stage_spec(name).sequence_parallel)
         problems.append(f"backend.sp={sp}: stage {spec.name} {_stage_reason(spec)}; set backend.sp=1 (sequence "
-                        "parallelism runs stage=pretrain and stage=sft)")
+                        f"parallelism runs {runs})")
     if cfg.model.attn_implementation not in SP_ATTENTIONS:
         problems.append(f"model.attn_implementation={cfg.model.attn_implementation} with backend.sp={sp}: after the "
                         f"all-to-all each rank attends over whole rows with {SEGMENT_ATTENTION} (its per-sample "
@@ -44,9 +45,4 @@ def _stage_reason(spec) -> str:
     if spec.prompts:
         return ("generates its rollouts on whole sequences (generation is not sharded) and scores them in the "
                 "same forward layout: not sequence-parallel yet")
-    if spec.pair_scores == "scalar":
-        return ("reads one score per sequence at its last token, which may live on another sp rank: not "
-                "sequence-parallel yet")
-    if spec.pairs:
-        return "sums each response's log-probs per sequence, which sp ranks hold in parts: not sequence-parallel yet"
     return "is not sequence-parallel yet"

@@ -137,6 +137,13 @@ def test_shards_attend_like_whole_rows(tmp_path):
         assert sum(p["shard_targets"] for p in parts) == parts[0]["whole_targets"]  # each target counted once
         for p in parts:
             assert p["logp_max_abs"] <= 1e-6 and p["loss_rel"] <= 1e-6 and p["grad_max_rel"] <= 1e-5, (case, p)
+    for case in ("reward", "simpo"):  # pairs: per-sequence values summed over the peers, each pair counted once
+        parts = [r[case] for r in reports]
+        assert [p["share"] for p in parts] == [1.0, 0.0] and parts[0]["width"] == 39
+        assert sum(p["ends_here"] for p in parts) == 6 and parts[1]["ends_here"] > 0  # scores read on sp rank 1 too
+        for p in parts:  # every peer holds the whole sequences' values and the whole loss
+            assert p["values_max_abs"] <= 1e-5 and p["loss_rel"] <= 1e-6 and p["summed_loss_rel"] <= 1e-6, (case, p)
+            assert p["grad_max_rel"] <= 1e-5, (case, p)
     names = {r[case]["name"] for r in reports[:1] for case in ("packed", "unpacked", "one_kv_head")}
     assert len(names) == 3  # a name of its own per registration
     assert all(r["globals_unchanged"] and r["packed_cut_inside_sample"] for r in reports)
