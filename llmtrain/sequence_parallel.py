@@ -1,6 +1,6 @@
 """What `backend.sp > 1` (Ulysses sequence parallelism: models/ulysses.py, data/sequence_shard.py) needs of the
 rest of the config, checked on every rank before any model loads (validation.py): the stage, the attention, the
-model family, dropout. Each line names the field and the fix. (The heads: models/ulysses_checks.py.)"""
+model family, dropout, LoRA. Each line names the field and the fix. (The heads: models/ulysses_checks.py.)"""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def sp_problems(cfg: Any) -> list[str]:
                         f"all-to-all each rank attends over whole rows with {SEGMENT_ATTENTION} (its per-sample "
                         f"attention keeps packed samples apart); set model.attn_implementation={SEGMENT_ATTENTION} "
                         "or auto")
+    if cfg.peft.name != "none":
+        problems.append(f"peft={cfg.peft.name} with backend.sp={sp}: adapters over sequence shards (their gradients "
+                        "summed over the sp peers, DPO's adapter-off reference on the shards) have never been run "
+                        "and checked against sp=1; set backend.sp=1 or peft=none")
     if cfg.model.dropout > 0:
         problems.append(f"model.dropout={cfg.model.dropout} with backend.sp={sp}: sp peers draw the same dropout "
                         "masks for different tokens (and heads), not independent ones; set model.dropout=0")

@@ -31,12 +31,12 @@ class Runs:
     def __init__(self, root: Path, model_dir: Path, eval_file: Path, pair_args):
         self.root, self.model_dir, self.eval_file, self.pair_args, self.done = root, model_dir, eval_file, pair_args, {}
 
-    def pair(self, stage: str, backend: str, *extra: str, tag: str = "") -> Path:
+    def pair(self, stage: str, backend: str, *extra: str, tag: str = "", nproc: int = 2) -> Path:
         name = f"{stage}_{backend}{tag}"
         if name not in self.done:
             args = [*self.pair_args(stage), f"model.name_or_path={self.model_dir}", *BACKENDS[backend], *extra,
                     f"output_dir={self.root / name}"]
-            self.done[name] = run_cli(args, nproc=2)
+            self.done[name] = run_cli(args, nproc=nproc)
         assert_ok(self.done[name])
         return self.root / name
 
@@ -145,17 +145,26 @@ def test_precomputed_reference_logps_train_as_the_live_reference_and_resume_bitw
 
 
 SP2 = ("backend.sp=2", "trainer.micro_batch_size=4")  # dp 1: the same 8 pairs a step as dp 2 × micro 2
+SP_RUNS = {  # tag -> (stage, backend, overrides, ranks)
+    "rm_zero2": ("rm", "zero2", SP2, 2),
+    "dpo_fsdp2": ("dpo", "fsdp2", SP2, 2),
+    # the reference's log-probs computed once, before training, on sequence shards (stages/reference_cache.py)
+    "dpo_zero2_precomputed": ("dpo", "zero2", (*SP2, "dpo.precompute_ref_logps=true"), 2),
+    "orpo_zero3_dp2": ("orpo", "zero3", ("backend.sp=2",), 4),  # 4 ranks: dp 2 × sp 2, micro 2 as DDP's
+}
 
 
-@pytest.mark.parametrize("stage, backend", [("rm", "zero2"), ("dpo", "fsdp2"), ("orpo", "zero3")])
-def test_sp2_equals_ddp(runs, stage, backend, assert_close_series):
+@pytest.mark.parametrize("tag", list(SP_RUNS))
+def test_sp2_equals_ddp(runs, tag, assert_close_series):
     """backend.sp=2 (each rank holds half of every packed row; the per-sequence log-prob sums, target counts and the
     reward model's scores at the last tokens summed over the sp peers, each pair counted once) against the 2-rank DDP
     run on the same global batch: pairs and lr equal, loss, grad norm and the pair statistics per step within 1e-5
     relative (1e-6 on the first step), and the evaluations at steps 0, 3 and 6 (sharded too). DPO's frozen reference
-    is sharded the same way: step 1 is ln 2 with zero implied rewards."""
+    is sharded the same way, live or precomputed: step 1 is ln 2 with zero implied rewards. ORPO on ZeRO-3 runs
+    dp 2 × sp 2 on 4 ranks (ZeRO partitions over all 4, the loss sums over dp × sp)."""
+    stage, backend, overrides, nproc = SP_RUNS[tag]
     reference = read_metrics(runs.pair(stage, "ddp"))
-    ours = read_metrics(runs.pair(stage, backend, *SP2, tag="_sp2"))
+    ours = read_metrics(runs.pair(stage, backend, *overrides, tag=f"_{tag}_sp2", nproc=nproc))
     assert [r["pairs"] for r in ours[0]] == [r["pairs"] for r in reference[0]] == [8] * 6
     assert [r["lr"] for r in ours[0]] == [r["lr"] for r in reference[0]]
     for key in ("loss", "grad_norm"):

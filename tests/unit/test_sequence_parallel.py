@@ -139,6 +139,7 @@ def test_pair_stages_validate_with_sp(recipe):
 def test_what_sp_cannot_honour_is_refused_before_loading():
     assert "model.attn_implementation=eager with backend.sp=2" in _refused("model.attn_implementation=eager")
     assert "model.dropout=0.1 with backend.sp=2" in _refused("model.dropout=0.1")
+    assert "peft=lora with backend.sp=2: adapters over sequence shards" in _refused("peft=lora")
     family = _refused("model.from_config={model_type: gemma2, hidden_size: 64, num_attention_heads: 4, "
                       "num_key_value_heads: 2, intermediate_size: 128, num_hidden_layers: 2, head_dim: 16}")
     assert "gemma2 runs eager attention only" in family
