@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import io
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from omegaconf import DictConfig
 
 from llmtrain.backends import compared_presets, spec_of
+from llmtrain.backends.spec import sp_of
 from llmtrain.config import ConfigError
 from llmtrain.metrics.comm import planned
 from llmtrain.metrics.cost import (
@@ -187,12 +188,31 @@ def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 <
     return low
 
 
-def plan_row(st: Setting, layout: Layout) -> Row:
+SEQ_SEARCH_LIMIT = 1 << 24  # the longest-sequence search stops doubling at 16M tokens
+
+
+def longest_sequence(st: Setting, layout: Layout) -> int:
+    """The longest data.max_seq_len whose micro-batch of 1 fits this layout on the device (0: not even one token per
+    rank): the states do not grow with s, activations and logits do (each sp rank holds s/sp of every row), so it is
+    the micro-batch search over s."""
+    one = replace(st, micro=1)
+    fixed = sum(s.device for s in _role_states(one, layout)[1].values())
+    return largest_micro_batch(fixed, lambda seq: sum(_per_micro(replace(one, seq=seq), layout, 1)),
+                               st.gpu.memory_gib * GIB * USABLE, limit=SEQ_SEARCH_LIMIT)
+
+
+def _role_states(st: Setting, layout: Layout) -> tuple[dict, dict]:
+    """({role: (RoleParams, trainable)}, {role: StateBytes}) of every role on this layout."""
     f, on_gpu = st.facts, st.gpu.name != "cpu"
     params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads,
                                  vocab_split(st, layout, role)), trainable)
               for role, trainable in st.roles.items()}
-    states = {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
+    return params, {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
+
+
+def plan_row(st: Setting, layout: Layout) -> Row:
+    f, on_gpu = st.facts, st.gpu.name != "cpu"
+    params, states = _role_states(st, layout)
     fixed = sum(s.device for s in states.values())
     act, logit = _per_micro(st, layout, st.micro)
     usable = st.gpu.memory_gib * GIB * USABLE
@@ -213,7 +233,7 @@ def plan_row(st: Setting, layout: Layout) -> Row:
         times = step_seconds(hardware / st.world, comm, peak_flops=st.gpu.peak_tflops * 1e12, mfu=st.mfu,
                              link_bytes_per_s=st.gpu.link_gb_per_s * 1e9)
         times["mfu"] = model / st.world / (times["step_s"] * st.gpu.peak_tflops * 1e12)
-    textbook = sum(planned_model_state_bytes(num_params=st.lora or f.params, stage=layout.stage, dp=layout.dp,
+    textbook = sum(planned_model_state_bytes(num_params=st.lora or f.params, stage=layout.stage, dp=layout.shards,
                                              mixed_precision=st.precision in ("bf16", "fp16"))
                    for trainable in st.roles.values() if trainable)
     return Row(layout, states, act, logit, device, device <= usable,
@@ -389,13 +409,19 @@ def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
     return [plan_row(st, layout) for layout in layouts]
 
 
-def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts) -> tuple[list[Layout], list[str]]:
-    """Every preset that fits this world and model, and a note per one that does not."""
+def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
+                     sp: int = 1) -> tuple[list[Layout], list[str]]:
+    """Every preset that fits this world and model, and a note per one that does not; with `sp` > 1, each preset
+    whose backend shards sequences (a `backend.sp` field) at that sp."""
+    from omegaconf import OmegaConf
+
     from llmtrain.models.lora_checks import peft_problems
     from llmtrain.validation import backend_problems
 
     layouts, notes = [], []
     for name, backend in preset_backends().items():
+        if sp > 1 and "sp" in spec_of(backend).fields():
+            backend = OmegaConf.merge(backend, {"sp": sp})
         problems = backend_problems(backend, world) + peft_problems(cfg.peft, backend)
         problems = problems or spec_of(backend).plan_problems(backend, world, facts)
         if problems:
@@ -414,8 +440,8 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
     facts = facts or model_facts(cfg)
     st = setting(cfg, world, gpu, precision, facts)
     notes: list[str] = []
-    if cfg.plan.compare_backends:
-        layouts, notes = compared_layouts(cfg, world, facts)
+    if cfg.plan.compare_backends:  # at the run's backend.sp, where a preset shards sequences
+        layouts, notes = compared_layouts(cfg, world, facts, sp_of(cfg.backend))
     else:
         layouts = [layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)]
     rows = plan_rows(st, layouts)
@@ -440,6 +466,24 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
         lines.append(f"{r.layout.name}: {'fits' if r.fits else 'does NOT fit'} at micro-batch {st.micro} "
                      f"({_size(r.device_bytes)} of {gpu.memory_gib:.1f} GiB, {USABLE:.0%} usable); "
                      f"largest micro-batch that fits {r.max_micro}")
+    return lines + longest_sequence_lines(st, [r.layout for r in rows], sp_of(cfg.backend))
+
+
+def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[str]:
+    """Per backend of the table, the longest data.max_seq_len that fits at micro-batch 1 (at the run's backend.sp
+    `sp`: a compared preset that shards sequences was taken to it, ddp has none)."""
+    lines = []
+    for layout in layouts:
+        longest = longest_sequence(st, layout)
+        if not longest:
+            lines.append(f"{layout.name}: not even data.max_seq_len={layout.sp} fits at micro-batch 1 (the model "
+                         "states alone are too much)")
+            continue
+        per_rank = f" (sp {layout.sp}: {-(-longest // layout.sp):,} tokens of each row per rank)" if layout.sp > 1 \
+            else " (no sp)" if sp > 1 else ""
+        at_least = "at least " if longest >= SEQ_SEARCH_LIMIT else ""
+        lines.append(f"{layout.name}: longest data.max_seq_len that fits at micro-batch 1: {at_least}{longest:,}"
+                     f"{per_rank}")
     return lines
 
 
@@ -494,9 +538,9 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
     mixed = precision in ("bf16", "fp16")
     # LoRA: the adapters (and modules_to_save copies) come on top of a base that is frozen whole: weights only
     trainable, frozen = (st.lora, facts.params) if st.lora else (facts.params, 0)
-    state = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=dp, mixed_precision=mixed,
-                                frozen_elem_bytes=frozen_elem_bytes(spec_of(cfg.backend).frozen_in_compute_dtype,
-                                                                    mixed))
+    frozen_elem = frozen_elem_bytes(spec_of(cfg.backend).frozen_in_compute_dtype, mixed)
+    state = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=layout.shards,  # ZeRO: dp × sp
+                                mixed_precision=mixed, frozen_elem_bytes=frozen_elem)
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
              f"on {device.type}, world {world}",
              f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "
@@ -505,6 +549,7 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
              f"{human(training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq), 'FLOP')} per token "
              f"at s={st.seq}",
              f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}"
+             f"{f' × sp {layout.sp}' if layout.sp > 1 else ''}"
              f"{'' if not st.lora else f'; LoRA: {st.lora:,} trainable, the base as weights only'}) ≈ "
              f"{human(state, 'B', 1024)} per rank per trainable role (activations not included)",
              roles_summary(st, row), batch_arithmetic(cfg, world),

@@ -125,12 +125,12 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    sp_rank, sp, model_attn = sequence_parallel_attention(backend, attn)
+    (sp_rank, sp, sp_group), model_attn = sequence_parallel_attention(backend, attn)
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(model_attn, m.dropout, m.activation_checkpointing, *fused_head(cfg, ctx)),
                             t.seed, optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
-    prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp)
+    prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp, sp_group)
     engines = stage.prepare(engines, data, prepare_batch)
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
@@ -208,26 +208,27 @@ def fused_head(cfg: DictConfig, ctx: DistContext) -> tuple[int | None, str]:
     return m.loss_chunk_tokens, kernel
 
 
-def sequence_parallel_attention(backend, attn: str) -> tuple[int, int, str]:
-    """(sp rank, sp, the models' attention): with backend.sp > 1 the run's attention behind the Ulysses exchange,
-    registered under a name of this run's own (models/ulysses.py); else `attn` itself."""
+def sequence_parallel_attention(backend, attn: str) -> tuple[tuple[int, int, object], str]:
+    """((sp rank, sp, sp group), the models' attention): with backend.sp > 1 the run's attention behind the Ulysses
+    exchange, registered under a name of this run's own (models/ulysses.py); else `attn` itself."""
     dims = getattr(backend, "dims", None)
     if dims is None or dims.sp == 1:
-        return 0, 1, attn
+        return (0, 1, None), attn
     if attn != SEGMENT_ATTENTION:  # validation refuses what it can read; a hub family falling back to eager here
         raise ConfigError(f"backend.sp={dims.sp}: the model runs {attn} attention, sequence parallelism needs "
                           f"{SEGMENT_ATTENTION} (model.attn_implementation={SEGMENT_ATTENTION}); set backend.sp=1")
     sp_rank, sp, group = dims.sequence_parallel()
-    return sp_rank, sp, ulysses_attention(attn, sp, group)
+    return (sp_rank, sp, group), ulysses_attention(attn, sp, group)
 
 
-def batch_preparer(device: torch.device, precision: str, attn_implementation: str, sp_rank: int = 0, sp: int = 1):
+def batch_preparer(device: torch.device, precision: str, attn_implementation: str, sp_rank: int = 0, sp: int = 1,
+                   sp_group=None):
     """Move a batch to the device with the attention inputs its attention reads (a dense packed mask, when
     one is needed, in the compute dtype: sdpa wants them equal). With sp > 1: this rank's sequence shard of it,
-    cut on the host (data/sequence_shard.py)."""
+    cut on the host (data/sequence_shard.py; a pair batch sums its sequences' parts over `sp_group`)."""
     mask_dtype = autocast_dtype(precision) or torch.float32
     if sp > 1:
-        shard = sequence_preparer(attn_implementation, sp_rank, sp)
+        shard = sequence_preparer(attn_implementation, sp_rank, sp, sp_group)
         return lambda batch: shard(batch).to(device, non_blocking=device.type == "cuda")
 
     def prepare(batch):

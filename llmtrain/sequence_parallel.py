@@ -1,6 +1,6 @@
 """What `backend.sp > 1` (Ulysses sequence parallelism: models/ulysses.py, data/sequence_shard.py) needs of the
 rest of the config, checked on every rank before any model loads (validation.py): the stage, the attention, the
-model family, dropout. Each line names the field and the fix. (The heads: models/ulysses_checks.py.)"""
+model family, dropout, LoRA. Each line names the field and the fix. (The heads: models/ulysses_checks.py.)"""
 
 from __future__ import annotations
 
@@ -21,13 +21,18 @@ def sp_problems(cfg: Any) -> list[str]:
         return []
     spec, problems = stage_spec(cfg.stage.name), []
     if not spec.sequence_parallel:
+        runs = ", ".join(f"stage={name}" for name in stage_names() if stage_spec(name).sequence_parallel)
         problems.append(f"backend.sp={sp}: stage {spec.name} {_stage_reason(spec)}; set backend.sp=1 (sequence "
-                        "parallelism runs stage=pretrain and stage=sft)")
+                        f"parallelism runs {runs})")
     if cfg.model.attn_implementation not in SP_ATTENTIONS:
         problems.append(f"model.attn_implementation={cfg.model.attn_implementation} with backend.sp={sp}: after the "
                         f"all-to-all each rank attends over whole rows with {SEGMENT_ATTENTION} (its per-sample "
                         f"attention keeps packed samples apart); set model.attn_implementation={SEGMENT_ATTENTION} "
                         "or auto")
+    if cfg.peft.name != "none":
+        problems.append(f"peft={cfg.peft.name} with backend.sp={sp}: adapters over sequence shards (their gradients "
+                        "summed over the sp peers, DPO's adapter-off reference on the shards) have never been run "
+                        "and checked against sp=1; set backend.sp=1 or peft=none")
     if cfg.model.dropout > 0:
         problems.append(f"model.dropout={cfg.model.dropout} with backend.sp={sp}: sp peers draw the same dropout "
                         "masks for different tokens (and heads), not independent ones; set model.dropout=0")
@@ -44,9 +49,4 @@ def _stage_reason(spec) -> str:
     if spec.prompts:
         return ("generates its rollouts on whole sequences (generation is not sharded) and scores them in the "
                 "same forward layout: not sequence-parallel yet")
-    if spec.pair_scores == "scalar":
-        return ("reads one score per sequence at its last token, which may live on another sp rank: not "
-                "sequence-parallel yet")
-    if spec.pairs:
-        return "sums each response's log-probs per sequence, which sp ranks hold in parts: not sequence-parallel yet"
     return "is not sequence-parallel yet"

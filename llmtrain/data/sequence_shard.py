@@ -68,10 +68,15 @@ def shard_batch(batch: Batch, sp_rank: int, sp: int) -> Batch:
                    row_lengths=tuple(min(max(length - start, 0), local) for length in batch.row_lengths))
 
 
-def sequence_preparer(attn_implementation: str, sp_rank: int, sp: int):
-    """Batch (host) -> this rank's shard with the whole rows' attention inputs: pad, for_attention, cut."""
+def sequence_preparer(attn_implementation: str, sp_rank: int, sp: int, group=None):
+    """Batch (host) -> this rank's shard with the whole rows' attention inputs: pad, for_attention, cut. A stage's
+    own batch type that holds more than rows (a pair batch: stages/pair_shard.py) cuts itself with its
+    `sequence_shard(attn_implementation, sp_rank, sp, group)`; `group`, the sp peers', is what it sums over."""
 
-    def prepare(batch: Batch) -> Batch:
+    def prepare(batch):
+        own = getattr(batch, "sequence_shard", None)
+        if own is not None:
+            return own(attn_implementation, sp_rank, sp, group)
         return shard_batch(pad_to_multiple(batch, sp).for_attention(attn_implementation), sp_rank, sp)
 
     return prepare

@@ -73,16 +73,23 @@ def sequence_sums(logps: torch.Tensor, labels: torch.Tensor, sequence_ids: torch
                   average: bool = False) -> torch.Tensor:
     """(B, T) per-token log-probs (position t: label t + 1, 0 where ignored) -> (num_sequences,) summed (or averaged)
     over each sequence's target tokens, as `packed_sequence_logps`."""
-    is_target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX  # (B, T)
-    owner = F.pad(sequence_ids[:, 1:], (0, 1), value=-1).flatten()  # (B·T,) the predicted token's sequence
-    kept = (owner >= 0) & is_target.flatten()
-    index = owner.clamp(min=0)
-    totals = torch.zeros(num_sequences, device=logps.device).index_add_(0, index[kept], logps.flatten()[kept])
-    if not average:
-        return totals
-    counts = torch.zeros(num_sequences, device=logps.device).index_add_(0, index[kept], torch.ones_like(index[kept],
-                                                                                                         dtype=torch.float32))
-    return totals / counts.clamp(min=1)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+    owners = F.pad(sequence_ids[:, 1:], (0, 1), value=-1)  # (B, T) the predicted token's sequence
+    totals, counts = owned_sums(logps, targets, owners, num_sequences)
+    return totals / counts.clamp(min=1) if average else totals
+
+
+def owned_sums(logps: torch.Tensor, targets: torch.Tensor, owners: torch.Tensor,
+               num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) per-token log-probs, their targets and the sequence each target belongs to (-1: none), all aligned
+    (position t predicts targets[t]) -> (num_sequences,) Σ log p and (num_sequences,) target count, fp32: each
+    sequence's sums over the positions given (a sequence shard's part of them under sequence parallelism)."""
+    kept = ((owners >= 0) & (targets != IGNORE_INDEX)).flatten()  # (B·T,)
+    index = owners.flatten().clamp(min=0)[kept]
+    totals = torch.zeros(num_sequences, device=logps.device).index_add_(0, index, logps.flatten()[kept])
+    counts = torch.zeros(num_sequences, device=logps.device).index_add_(
+        0, index, torch.ones_like(index, dtype=torch.float32))
+    return totals, counts
 
 
 # Each loss maps the (P,) log-ratios log π − log ref of the chosen (c) and rejected (r) responses, β and the label

@@ -49,7 +49,10 @@ def sequence_scores(forward, model: torch.nn.Module, last_index: torch.Tensor, *
 
 def scores_at(forward, model: torch.nn.Module, ends: torch.Tensor, **inputs) -> torch.Tensor:
     """Run `forward(**inputs)` and return the scores at the flat positions `ends` (S,) of the (B·T) tokens:
-    several sequences may share a packed row."""
+    several sequences may share a packed row. An end of -1 (a sequence shard without that sequence's last token)
+    scores 0."""
     with captured_token_scores(model) as captured:
         forward(**inputs)
-    return captured[-1].flatten()[ends.to(captured[-1].device)].float()
+    scores = captured[-1].flatten()  # (B·T,)
+    ends = ends.to(scores.device)
+    return torch.where(ends >= 0, scores[ends.clamp(min=0)], 0.0).float()

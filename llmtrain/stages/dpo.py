@@ -136,7 +136,9 @@ class DPOStage(Stage):
             reference_logps = self.reference_logps(reference, batch)
             policy, aux_term, router_stats = self.logps(module, batch, route=True)  # MoE: + coef × router aux loss
             terms = self.terms(policy, reference_logps)
-            return with_router(terms.losses.sum(), dpo_stat_sums(terms, *policy), aux_term, router_stats)
+            share = batch.share  # under sp each pair counts on one peer (stages/pair_shard.py); 1 without
+            return with_router(terms.losses.sum() * share, dpo_stat_sums(terms, *policy) * share, aux_term,
+                               router_stats)
 
         pairs = sum(b.num_pairs for b in micro_batches)
         result, routed = routed_update(updater, engines["policy"], micro_batches, micro_loss, pairs, len(DPO_STATS))
@@ -210,4 +212,4 @@ def implicit_reward(cfg) -> ImplicitReward:
 
 STAGE_SPECS = (pair_spec(name="dpo", build=build, roles=dpo_roles, metric_group="dpo", config_node="dpo",
                          config_class=DPOConfig, problems=problems, pair_scores="implicit",
-                         implicit_reward=implicit_reward),)
+                         implicit_reward=implicit_reward, sequence_parallel=True),)

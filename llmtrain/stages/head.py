@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from llmtrain.data.collate import Batch
-from llmtrain.losses.dpo import sequence_sums
+from llmtrain.losses.dpo import owned_sums
 from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking
 from llmtrain.models.moe import ROUTER_STATS, routed_forward, router_metrics, router_of
 
@@ -34,8 +34,17 @@ def target_logps(module: torch.nn.Module, batch: Batch, route: bool = False, acc
 
 def pair_logps(module: torch.nn.Module, batch, average: bool, route: bool = False):
     """A PairBatch's sequences' summed (or averaged) response log-probs (2P,) fp32, and the MoE term and statistics."""
+    sums, counts, term, stats = pair_totals(module, batch, route)
+    return (sums / counts.clamp(min=1) if average else sums), term, stats
+
+
+def pair_totals(module: torch.nn.Module, batch, route: bool = False):
+    """A PairBatch's sequences' summed response log-probs (2P,) and target counts (2P,), fp32, whole sequences' (on a
+    sequence shard summed over the sp peers: stages/pair_shard.py), and the MoE term and statistics."""
     answer, term, stats = target_logps(module, batch.rows, route)
-    return sequence_sums(answer.logps, batch.rows.labels, batch.sequence_ids, batch.num_sequences, average), term, stats
+    parts = owned_sums(answer.logps, batch.rows.targets(), batch.target_owners(), batch.num_sequences)
+    sums, counts = batch.whole(torch.stack(parts))  # (2, 2P): one reduction for both
+    return sums, counts, term, stats
 
 
 def action_answer(module: torch.nn.Module, inputs: dict, sequences: torch.Tensor, num_actions: int,

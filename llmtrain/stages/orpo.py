@@ -11,7 +11,7 @@ logsigmoid(log_odds), `log_odds_chosen` the mean log_odds, `nll_loss`; `logp_*` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -23,7 +23,7 @@ from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
 from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.base import ModelSource, Stage, Updater, eval_totals
 from llmtrain.stages.causal_lm import policy_role
-from llmtrain.stages.head import pair_logps, routed_update, with_router
+from llmtrain.stages.head import pair_totals, routed_update, with_router
 from llmtrain.stages.preference import PairBatch, collate_pairs, padding_free_for, pair_problems, pair_spec
 from llmtrain.stages.spec import ImplicitReward
 
@@ -40,6 +40,10 @@ class ORPOConfig:
 @dataclass
 class ORPOPairBatch(PairBatch):
     num_chosen_targets: int = 0  # target tokens of the chosen responses (0 for filler pairs), counted on the host
+
+    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group) -> ORPOPairBatch:
+        shard = super().sequence_shard(attn_implementation, sp_rank, sp, group)
+        return replace(shard, num_chosen_targets=self.num_chosen_targets if shard.share else 0)  # counted once
 
 
 def sequence_target_counts(labels: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -72,9 +76,8 @@ class ORPOStage(Stage):
 
     def routed_logps(self, module, batch: ORPOPairBatch, route: bool = False):
         """(`logps`, the MoE routers' term, their statistics) of one forward (route=False: no router terms)."""
-        labels, sequence_ids, n = batch.rows.labels, batch.sequence_ids, batch.num_sequences
-        sums, term, stats = pair_logps(module, batch, average=False, route=route)  # (2P,)
-        means = sums / sequence_target_counts(labels, sequence_ids, n).clamp(min=1)  # (2P,) as average=True
+        sums, counts, term, stats = pair_totals(module, batch, route=route)  # (2P,) each, whole sequences'
+        means = sums / counts.clamp(min=1)  # (2P,) as average=True
         return (batch.split(sums)[0], *batch.split(means)), term, stats
 
     def terms(self, chosen: torch.Tensor, rejected: torch.Tensor) -> ORPOTerms:
@@ -98,8 +101,10 @@ class ORPOStage(Stage):
             nll_sum = -chosen_sum.sum()
             stats = torch.stack([nll_sum.detach().double(), terms.log_odds.double().sum(),
                                  F.logsigmoid(terms.log_odds).double().sum()])
-            return with_router(nll_sum * nll_scale + terms.losses.sum(),
-                               torch.cat([dpo_stat_sums(terms, chosen, rejected), stats]), term, router_stats)
+            # batch.share: under sp each pair counts on one peer (stages/pair_shard.py); 1 without
+            return with_router((nll_sum * nll_scale + terms.losses.sum()) * batch.share,
+                               torch.cat([dpo_stat_sums(terms, chosen, rejected), stats]) * batch.share, term,
+                               router_stats)
 
         result, routed = routed_update(updater, policy, micro_batches, micro_loss, pairs, len(DPO_STATS + ORPO_STATS))
         sums, num_pairs = dict(zip(DPO_STATS + ORPO_STATS, result.sums)), max(result.count, 1)
@@ -124,9 +129,9 @@ class ORPOStage(Stage):
         """(6,) fp64: NLL, odds-ratio loss, correct, margin, pairs, chosen target tokens of one batch."""
         chosen_sum, chosen, rejected = self.logps(module, batch)
         terms = self.terms(chosen, rejected)
-        w = batch.weight.double()  # (P,) 0 for a filler pair (whose labels are all masked: no NLL, no tokens)
+        w = batch.counted.double()  # (P,) 0 for a filler pair (labels all masked: no NLL, no tokens), sp peers
         margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
-        return torch.stack([-chosen_sum.double().sum(), (terms.losses.double() * w).sum(),
+        return torch.stack([-chosen_sum.double().sum() * batch.share, (terms.losses.double() * w).sum(),
                             ((margin > 0).double() * w).sum(), (margin * w).sum(), w.sum(),
                             torch.tensor(float(batch.num_chosen_targets), dtype=torch.float64, device=w.device)])
 
@@ -150,4 +155,4 @@ def implicit_reward(cfg) -> ImplicitReward:
 
 STAGE_SPECS = (pair_spec(name="orpo", build=build, roles=policy_role, metric_group="orpo", config_node="orpo",
                          config_class=ORPOConfig, problems=problems, pair_scores="implicit",
-                         implicit_reward=implicit_reward),)
+                         implicit_reward=implicit_reward, sequence_parallel=True),)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 
 from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.collate import FILLER, Batch, collate
@@ -22,6 +23,7 @@ from llmtrain.data.packing import merge_packed
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_ATTENTION
+from llmtrain.stages.pair_shard import shard_pairs, sum_over_peers
 from llmtrain.stages.reference_cache import pair_key
 from llmtrain.stages.spec import StageSpec
 
@@ -39,13 +41,20 @@ def padding_free_for(attn_implementation: str) -> bool:
 @dataclass
 class PairBatch:
     rows: Batch  # (R, T): one packed row of 2P sequences, or 2P right-padded rows (chosen, then rejected)
-    ends: torch.Tensor  # (2P,) long: flat index into the (R·T) positions of each sequence's last token (its EOS)
-    sequence_ids: torch.Tensor  # (R, T) long: the sequence (0..2P-1) at each position, -1 on padding
+    ends: torch.Tensor  # (2P,) long: flat index into the (R·T) positions of each sequence's last token (its EOS);
+    # on a sequence shard -1 where another sp peer holds it
+    sequence_ids: torch.Tensor  # (R, T) long: the sequence (0..2P-1) at each position, -1 on padding; on a sequence
+    # shard (rows.shifted) the sequence of the token each position predicts, shifted before the cut as the labels are
     margin: torch.Tensor  # (P,) float: per-pair margin (0 without a margin column)
     hard: torch.Tensor  # (P,) bool: pairs tagged kind == "hard"
     weight: torch.Tensor  # (P,) float: 1, or 0 for an eval filler pair that only keeps a rank in step
     num_pairs: int  # real pairs (weight 1), counted on the host
     keys: tuple[str, ...] = ()  # (P,) each pair's reference_cache.pair_key, when the collate was asked for them
+    # Under sequence parallelism (stages/pair_shard.py): the sp peers' group, over which each sequence's partial
+    # values are summed (None: whole rows), and this shard's share of the pairs' losses, statistics and count (1 on
+    # sp rank 0, 0 on its peers, which hold the same whole-sequence values: each pair counts once)
+    sp_group: object = None
+    share: float = 1.0
 
     @property
     def num_sequences(self) -> int:
@@ -81,6 +90,26 @@ class PairBatch:
         2·pairs·seq_len."""
         pairs = pairs or self.margin.shape[0]
         return (1, 2 * pairs * seq_len) if self.rows.is_packed else (2 * pairs, seq_len)
+
+    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group) -> PairBatch:
+        """This sp rank's shard (data/sequence_shard.sequence_preparer calls it; stages/pair_shard.py)."""
+        return shard_pairs(self, attn_implementation, sp_rank, sp, group)
+
+    def target_owners(self) -> torch.Tensor:
+        """(R, T) long: the sequence of the token each position predicts (-1: none), aligned with rows.targets()."""
+        if self.rows.shifted:
+            return self.sequence_ids
+        return F.pad(self.sequence_ids[:, 1:], (0, 1), value=-1)
+
+    def whole(self, values: torch.Tensor) -> torch.Tensor:
+        """(2P, ...) this shard's parts of per-sequence values -> the whole sequences' (summed over the sp peers);
+        values as they are without sp."""
+        return sum_over_peers(values, self.sp_group)
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """(P,) float: 1 for a real pair this rank counts in sums over ranks (filler pairs 0; sp peers' shares 0)."""
+        return self.weight * self.share
 
     def split(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(2P, ...) -> chosen (P, ...), rejected (P, ...)."""
@@ -122,7 +151,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 def reward_eval_sums(terms, batch: PairBatch) -> torch.Tensor:
     """(4,) fp64 sums over the real pairs of a batch of implicit-reward terms (losses, chosen_rewards,
     rejected_rewards (P,)): loss, correct (chosen reward above rejected), margin, pairs."""
-    w = batch.weight.double()  # (P,) 0 for a filler pair
+    w = batch.counted.double()  # (P,) 0 for a filler pair (and on an sp peer: counted once)
     margin = (terms.chosen_rewards - terms.rejected_rewards).double()  # (P,)
     return torch.stack([(terms.losses.double() * w).sum(), ((margin > 0).double() * w).sum(), (margin * w).sum(),
                         w.sum()])

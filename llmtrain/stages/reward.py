@@ -46,9 +46,11 @@ class RewardStage(Stage):
 
     def scores(self, engine, forward, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(r_chosen (P,), r_rejected (P,)) in fp32, from one forward of the 2P rows (`forward`: the engine's module,
-        or under backend.pp the last stage's view; the score layer is the engine's model's, on that stage)."""
-        rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs())  # (2P,)
-        return batch.split(rewards)
+        or under backend.pp the last stage's view; the score layer is the engine's model's, on that stage). On a
+        sequence shard each score is read by the one sp peer that holds the sequence's last token, and summed over
+        the peers."""
+        rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs())  # (2P,) 0 elsewhere
+        return batch.split(batch.whole(rewards))
 
     def routed_scores(self, engine, forward, batch: PairBatch):
         """`scores`, with an MoE model's routers' term and statistics (None, None for a dense one)."""
@@ -58,7 +60,7 @@ class RewardStage(Stage):
         with captured_router_logits(engine.model) as router_logits:
             rewards = scores_at(forward, engine.model, batch.ends, **batch.rows.model_inputs(),
                                 output_router_logits=True)  # (2P,)
-        return (batch.split(rewards), *router_terms(router, router_logits[-1], batch.rows.token_mask()))
+        return (batch.split(batch.whole(rewards)), *router_terms(router, router_logits[-1], batch.rows.token_mask()))
 
     def train_step(self, micro_batches: list[PairBatch], engines: dict, updater: Updater) -> dict:
         engine = engines[ROLE]
@@ -66,7 +68,8 @@ class RewardStage(Stage):
         def micro_loss(module, batch: PairBatch):
             (chosen, rejected), term, router_stats = self.routed_scores(engine, module, batch)  # MoE: + coef × aux
             loss = pairwise_loss_sum(chosen, rejected, batch.margin, self.center_coef)
-            return with_router(loss, pairwise_stat_sums(chosen, rejected), term, router_stats)
+            share = batch.share  # under sp each pair counts on one peer (stages/pair_shard.py); 1 without
+            return with_router(loss * share, pairwise_stat_sums(chosen, rejected) * share, term, router_stats)
 
         pairs = sum(b.num_pairs for b in micro_batches)
         result, routed = routed_update(updater, engine, micro_batches, micro_loss, pairs, len(PAIRWISE_STATS))
@@ -106,7 +109,7 @@ class RewardStage(Stage):
 def eval_sums(chosen: torch.Tensor, rejected: torch.Tensor, batch: PairBatch) -> torch.Tensor:
     """Sums over the real pairs (filler weight 0): loss, pairs, margin, correct/count of easy (not tagged
     hard) and hard pairs, Σr and Σr² over both sides."""
-    w, hard = batch.weight.double(), batch.hard
+    w, hard = batch.counted.double(), batch.hard  # counted: 0 for filler pairs, and on sp peers
     losses = torch.nn.functional.softplus(-(chosen - rejected - batch.margin)).double()  # -logsigmoid(x)
     correct = (chosen > rejected).double() * w
     both = torch.cat([chosen, rejected]).double()
@@ -140,4 +143,4 @@ def margin_column(cfg) -> dict[str, str]:
 
 STAGE_SPECS = (pair_spec(name="reward", build=build, roles=reward_role, metric_group="reward", config_node="reward",
                          config_class=RewardConfig, problems=problems, column_renames=margin_column,
-                         pair_scores="scalar"),)
+                         pair_scores="scalar", sequence_parallel=True),)

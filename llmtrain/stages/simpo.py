@@ -63,7 +63,8 @@ class SimPOStage(Stage):
         def micro_loss(module, batch: PairBatch):
             logps, term, router_stats = self.routed_logps(module, batch)  # MoE: + coef × router aux loss
             terms = self.terms(logps)
-            return with_router(terms.losses.sum(), dpo_stat_sums(terms, *logps), term, router_stats)
+            share = batch.share  # under sp each pair counts on one peer (stages/pair_shard.py); 1 without
+            return with_router(terms.losses.sum() * share, dpo_stat_sums(terms, *logps) * share, term, router_stats)
 
         pairs = sum(b.num_pairs for b in micro_batches)
         result, routed = routed_update(updater, engines["policy"], micro_batches, micro_loss, pairs, len(DPO_STATS))
@@ -100,4 +101,4 @@ def implicit_reward(cfg) -> ImplicitReward:
 
 STAGE_SPECS = (pair_spec(name="simpo", build=build, roles=policy_role, metric_group="simpo", config_node="simpo",
                          config_class=SimPOConfig, problems=problems, pair_scores="implicit",
-                         implicit_reward=implicit_reward),)
+                         implicit_reward=implicit_reward, sequence_parallel=True),)

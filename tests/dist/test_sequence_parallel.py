@@ -8,8 +8,10 @@ sp 2 × tp 2.
 Packed rows (data.packing=true) fill 64-token rows with several samples, so the shard cut at 32 falls inside
 samples. The worker (tests/dist/workers/sequence_parallel_checks.py) checks, in one launch, what the runs cannot
 show: per-token log-probs and summed gradients of crafted batches (a packed sample split by the cut, odd widths
-padded, one kv-head replicated), and that the attention is registered per run without touching transformers' own
-functions.
+padded, one kv-head replicated), the pair stages' per-sequence values on shards (reward scores read on the peer that
+holds each last token, SimPO's length-averaged log-probs) with their losses and gradients, and that the attention is
+registered per run without touching transformers' own functions. The pair stages' runs under sp:
+tests/dist/test_preference.py.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def test_checkpoint_loads_with_another_sp(runs, name, assert_close_series):
 
 
 def test_shards_attend_like_whole_rows(tmp_path):
-    """Worker under torchrun, sp=2: per-token log-probs exact, summed loss and gradients to 1e-6 relative."""
+    """Worker under torchrun, sp=2: per-token log-probs exact, summed loss and gradients to 1e-6 relative; pairs: the
+    whole sequences' scores / log-probs on both peers, the loss counted once, gradients summed over the peers to
+    1e-5 relative of the whole row's (an identity backward of the sum, not an all-reduce, misses them by > 100 %)."""
     import subprocess
 
     out = tmp_path / "checks"
@@ -137,6 +141,13 @@ def test_shards_attend_like_whole_rows(tmp_path):
         assert sum(p["shard_targets"] for p in parts) == parts[0]["whole_targets"]  # each target counted once
         for p in parts:
             assert p["logp_max_abs"] <= 1e-6 and p["loss_rel"] <= 1e-6 and p["grad_max_rel"] <= 1e-5, (case, p)
+    for case in ("reward", "simpo"):  # pairs: per-sequence values summed over the peers, each pair counted once
+        parts = [r[case] for r in reports]
+        assert [p["share"] for p in parts] == [1.0, 0.0] and parts[0]["width"] == 39
+        assert sum(p["ends_here"] for p in parts) == 6 and parts[1]["ends_here"] > 0  # scores read on sp rank 1 too
+        for p in parts:  # every peer holds the whole sequences' values and the whole loss
+            assert p["values_max_abs"] <= 1e-5 and p["loss_rel"] <= 1e-6 and p["summed_loss_rel"] <= 1e-6, (case, p)
+            assert p["grad_max_rel"] <= 1e-5, (case, p)
     names = {r[case]["name"] for r in reports[:1] for case in ("packed", "unpacked", "one_kv_head")}
     assert len(names) == 3  # a name of its own per registration
     assert all(r["globals_unchanged"] and r["packed_cut_inside_sample"] for r in reports)

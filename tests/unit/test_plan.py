@@ -25,8 +25,9 @@ from llmtrain.metrics.cost import (
     state_bytes,
 )
 from llmtrain.metrics.devices import GPUS, resolve_gpu
-from llmtrain.models.facts import ModelFacts
-from llmtrain.plan import Setting, plan_row, plan_text, step_flops
+from llmtrain.models.facts import ModelFacts, model_facts
+from llmtrain.plan import Setting, layout_of, longest_sequence, plan_row, plan_text, step_flops
+from llmtrain.plan import setting as plan_setting
 from tests.helpers import REPO, cli_env
 
 COMPARED = compared_presets()
@@ -355,3 +356,48 @@ def test_a_vocab_sharded_head_divides_the_logits_and_the_head_states_by_tp():
         assert plan_row(other, layout).states["policy"].weights == pytest.approx(4 * whole_head, rel=1e-12)
     assert plan_row(dataclasses.replace(st, head_chunk=None), tp2).logits == b * s * vocab * 4
     assert plan_row(st, dataclasses.replace(tp2, head_tp=1)).logits == 12 * chunk * vocab + 4 * (b * s * h + vocab * h)
+
+
+def test_the_longest_sequence_is_a_hand_searchs_edge_and_grows_sp_fold():
+    """plan.longest_sequence against a linear search with the planner's own row (plan_row's device total at micro-batch
+    1, s = 1, 2, ... until it no longer fits), on a device small enough for the search to be short; with sp 8 on
+    the same 8 ranks (ZeRO-3 shards over dp × sp either way, each rank holds s/8 of the row) it is 8 times as long."""
+    f = facts(120_000_000, layers=4, hidden=512, heads=8, vocab=32_000)
+    st = dataclasses.replace(setting(f, world=8, seq=128, precision="fp32"),
+                             gpu=dataclasses.replace(GPUS["h100-80gb"], memory_gib=0.5))
+    usable = 0.5 * GIB * 0.92
+
+    def fits(seq: int, layout: Layout) -> bool:
+        return plan_row(dataclasses.replace(st, seq=seq), layout).device_bytes <= usable
+
+    hand = next(s for s in range(1, 100_000) if not fits(s, zero(3, 8))) - 1
+    assert 100 < hand == longest_sequence(st, zero(3, 8))
+    sharded = zero(3, 1, sp=8)
+    assert longest_sequence(st, sharded) == 8 * hand
+    assert fits(8 * hand, sharded) and not fits(8 * hand + 1, sharded)
+    assert longest_sequence(dataclasses.replace(st, gpu=dataclasses.replace(st.gpu, memory_gib=0.01)), sharded) == 0
+
+
+def test_the_plan_prints_the_longest_sequence_per_backend_at_the_runs_sp():
+    """`python -m llmtrain.plan recipe=sft_7b backend=zero3 backend.sp=8 data.max_seq_len=131072` on 8 H200s, one
+    backend and every compared one: a line per backend; presets that shard sequences are taken to sp 8, ddp has
+    none; each figure is plan.longest_sequence of that row (checked for zero3 here by hand)."""
+    args = ["recipe=sft_7b", "backend=zero3", "backend.sp=8", "data.max_seq_len=131072", "plan.world_size=8",
+            "plan.gpu=h200"]
+    text = plan_text(compose_config(args))
+    [line] = [line for line in text.splitlines() if "longest data.max_seq_len" in line]
+    longest = int(line.split("micro-batch 1: ")[1].split(" (")[0].replace(",", ""))
+    assert line.startswith("zero3: longest data.max_seq_len that fits at micro-batch 1: ")
+    assert f"(sp 8: {-(-longest // 8):,} tokens of each row per rank)" in line and longest > 131072
+    cfg = compose_config(args)
+    facts_7b, gpu = model_facts(cfg), resolve_gpu(cfg.plan, "cuda", 8)
+    st, layout = plan_setting(cfg, 8, gpu, "bf16", facts_7b), layout_of("zero3", cfg.backend, 8, facts_7b.hidden)
+    usable = gpu.memory_gib * GIB * 0.92
+    assert layout.sp == 8 and plan_row(dataclasses.replace(st, micro=1, seq=longest), layout).device_bytes <= usable
+    assert plan_row(dataclasses.replace(st, micro=1, seq=longest + 1), layout).device_bytes > usable
+    compared = plan_text(compose_config([*args, "plan.compare_backends=true"])).splitlines()
+    lines = {line.split(":")[0]: line for line in compared if "longest data.max_seq_len" in line}
+    assert set(lines) == {"ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2"}  # fsdp2_tp: sp 8 × tp 2 > 8
+    assert lines["zero3"] == line and lines["ddp"].endswith("(no sp)")
+    assert all("(sp 8: " in lines[name] for name in ("zero1", "zero2", "zero3_offload", "fsdp2"))
+    assert any(line.startswith("fsdp2_tp: left out") and "backend.sp=8 × backend.tp=2" in line for line in compared)

@@ -10,6 +10,11 @@ backward carries them).
 - one kv-head (fewer than sp: replicated).
 Also: each ulysses_attention call registers a name of its own, and leaves transformers' sdpa / sdpa_segments as
 they were (no global swap).
+Pairs (stages/pair_shard.py): one padding-free row of 3 pairs cut in two, the stages' own code on both models:
+- reward: RewardStage.scores (each score read by the sp peer holding the sequence's last token, some on sp rank 1,
+  summed over the peers) and the pairwise loss with center_coef (weighed by the shard's share);
+- simpo: SimPOStage.logps (length-averaged: sums and target counts summed over the peers) and its loss;
+each compared with the whole row: the scores / log-probs, the loss, and every gradient summed over the sp group.
 """
 
 from __future__ import annotations
@@ -90,6 +95,75 @@ def _case(kv_heads: int, batch, sp_rank: int, sp: int, group) -> dict:
             "grad_max_rel": max(grad_errors)}
 
 
+def _pair_batch():
+    from llmtrain.losses.lm import IGNORE_INDEX
+    from llmtrain.stages.preference import collate_pairs
+
+    def side(length, prompt, start):
+        ids = [(start + 5 * i) % 60 + 1 for i in range(length)]
+        return ids, [IGNORE_INDEX] * prompt + ids[prompt:]
+
+    examples = []
+    for n, (chosen, rejected) in enumerate([(7, 5), (6, 9), (4, 8)]):  # 39 tokens: the cut at 20 is in a sequence
+        (c_ids, c_labels), (r_ids, r_labels) = side(chosen, 2, 3 * n), side(rejected, 2, 3 * n + 1)
+        examples.append({"chosen_input_ids": c_ids, "chosen_labels": c_labels, "rejected_input_ids": r_ids,
+                         "rejected_labels": r_labels, "margin": 0.25 * n})
+    return collate_pairs(examples, pad_token_id=0, padding_free=True)
+
+
+def _pair_case(stage_name: str, sp_rank: int, sp: int, group) -> dict:
+    """The stage's per-sequence values, loss and gradients on this rank's shard vs the whole row."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from llmtrain.losses.pairwise import pairwise_loss_sum
+    from llmtrain.models.ulysses import ulysses_attention
+    from llmtrain.stages.base import ModelSource
+    from llmtrain.stages.reward import RewardStage
+    from llmtrain.stages.simpo import SimPOStage
+
+    reward = stage_name == "reward"
+    config = AutoConfig.for_model("llama", num_key_value_heads=2, num_labels=1, pad_token_id=0, **SIZES)
+    build = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    torch.manual_seed(1)
+    whole = build.from_config(copy.deepcopy(config), attn_implementation="sdpa_segments")
+    sharded = build.from_config(copy.deepcopy(config), attn_implementation=ulysses_attention("sdpa_segments", sp,
+                                                                                              group))
+    sharded.load_state_dict(whole.state_dict())
+    source = ModelSource(None)
+    stage = RewardStage(source, 0, center_coef=0.1, padding_free=True) if reward else \
+        SimPOStage(source, 0, beta=2.0, gamma=0.5, padding_free=True)
+
+    def values_and_loss(model, batch):
+        if reward:
+            chosen, rejected = stage.scores(SimpleNamespace(model=model), model, batch)
+            return torch.cat([chosen, rejected]), pairwise_loss_sum(chosen, rejected, batch.margin, 0.1)
+        logps = stage.logps(model, batch)
+        return torch.cat(logps), stage.terms(logps).losses.sum()
+
+    batch = _pair_batch()
+    ref_values, ref_loss = values_and_loss(whole, batch.for_attention("sdpa_segments"))
+    ref_loss.backward()
+    shard = batch.sequence_shard("sdpa_segments", sp_rank, sp, group)
+    values, loss = values_and_loss(sharded, shard)
+    (loss * shard.share).backward()  # as the stages weigh it: each pair's loss on one peer
+    summed = (loss * shard.share).detach().clone()
+    dist.all_reduce(summed, group=group)
+    grad_errors = []
+    for (_, p_ref), (_, p_sp) in zip(whole.named_parameters(), sharded.named_parameters()):
+        grad = p_sp.grad.clone()
+        dist.all_reduce(grad, group=group)
+        grad_errors.append(float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp(min=1e-30)))
+    return {"ends_here": int((shard.ends >= 0).sum()), "width": batch.rows.width, "share": shard.share,
+            "values_max_abs": float((values.detach() - ref_values.detach()).abs().max()),
+            "loss_rel": float(abs(loss.detach() - ref_loss.detach()) / abs(ref_loss.detach())),
+            "summed_loss_rel": float(abs(summed - ref_loss.detach()) / abs(ref_loss.detach())),
+            "grad_max_rel": max(grad_errors)}
+
+
 def worker(out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -107,7 +181,8 @@ def worker(out_dir: Path) -> None:
     report = {"rank": ctx.rank, "sp_rank": sp_rank, "dp": dims.dp_size,
               "packed": _case(2, batches["packed"], sp_rank, sp, group),
               "unpacked": _case(2, batches["unpacked"], sp_rank, sp, group),
-              "one_kv_head": _case(1, batches["packed"], sp_rank, sp, group)}
+              "one_kv_head": _case(1, batches["packed"], sp_rank, sp, group),
+              "reward": _pair_case("reward", sp_rank, sp, group), "simpo": _pair_case("simpo", sp_rank, sp, group)}
     after = {k: AttentionInterface._global_mapping[k] for k in ("sdpa", "sdpa_segments")}
     report["globals_unchanged"] = all(before[k] is after[k] for k in before)
     report["packed_cut_inside_sample"] = _cut_inside_sample(batches["packed"], sp)
