@@ -472,9 +472,10 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
 def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[str]:
     """Per backend of the table, the longest data.max_seq_len that fits at micro-batch 1 (at the run's backend.sp
     `sp`: a compared preset that shards sequences was taken to it, ddp has none)."""
-    lines = []
+    lines, most = [], 0
     for layout in layouts:
         longest = longest_sequence(st, layout)
+        most = max(most, longest)
         if not longest:
             lines.append(f"{layout.name}: not even data.max_seq_len={layout.sp} fits at micro-batch 1 (the model "
                          "states alone are too much)")
@@ -484,6 +485,10 @@ def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[
         at_least = "at least " if longest >= SEQ_SEARCH_LIMIT else ""
         lines.append(f"{layout.name}: longest data.max_seq_len that fits at micro-batch 1: {at_least}{longest:,}"
                      f"{per_rank}")
+    positions = st.facts.max_positions
+    if positions and most > positions:
+        lines.append(f"(memory only: this model's config says max_position_embeddings={positions:,}; longer rows need "
+                     "a checkpoint or rope scaling trained for them)")
     return lines
 
 

@@ -28,6 +28,7 @@ class ModelFacts:
     model_type: str
     lacks_attention: frozenset[str] = frozenset()  # attentions its transformers class does not run (Gemma-2: sdpa)
     softcapping: bool = False  # attention-logit softcapping (Gemma-2): eager attention keeps tanh's output too
+    max_positions: int | None = None  # the config's max_position_embeddings (what its rotary was trained to)
 
 
 def local_vocab_size(tokenizer_source: str | None, trust_remote_code: bool) -> int | None:
@@ -67,7 +68,8 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
                       block=sum(p.numel() for p in blocks[0].parameters()), embed=embed.numel(),
                       head=0 if out is None or out.weight is embed else out.weight.numel(), tp_params=tp_params,
                       model_type=arch.model_type, lacks_attention=unsupported_attentions(arch),
-                      softcapping=getattr(arch, "attn_logit_softcapping", None) is not None)
+                      softcapping=getattr(arch, "attn_logit_softcapping", None) is not None,
+                      max_positions=getattr(arch, "max_position_embeddings", None))
 
 
 def lora_trainable(cfg: DictConfig) -> int:

@@ -389,6 +389,7 @@ def test_the_plan_prints_the_longest_sequence_per_backend_at_the_runs_sp():
     longest = int(line.split("micro-batch 1: ")[1].split(" (")[0].replace(",", ""))
     assert line.startswith("zero3: longest data.max_seq_len that fits at micro-batch 1: ")
     assert f"(sp 8: {-(-longest // 8):,} tokens of each row per rank)" in line and longest > 131072
+    assert "(memory only: this model's config says max_position_embeddings=4,096" in text  # Llama 2's positions
     cfg = compose_config(args)
     facts_7b, gpu = model_facts(cfg), resolve_gpu(cfg.plan, "cuda", 8)
     st, layout = plan_setting(cfg, 8, gpu, "bf16", facts_7b), layout_of("zero3", cfg.backend, 8, facts_7b.hidden)
