@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SEGMENT_ATTENTION = "sdpa_segments"
 SEGMENT_LENGTHS = "segment_lengths"  # the model keyword argument that carries them: per row, sample lengths
+# PPO with ppo.packing: sdpa with the padding mask it is given (generation over left-padded prompts), and per-sample
+# causal sdpa in a forward that passes segment lengths (the packed experience and update forwards)
+PACKABLE_SDPA = "sdpa_packable"
 
 
 def segment_causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -57,6 +60,22 @@ def window_mask(length: int, window: int | None, device: torch.device) -> torch.
 
 def _no_dense_mask(*args, **kwargs) -> None:
     return None
+
+
+def packable_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, segment_lengths: tuple | None = None,
+                  **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa (its mask: left padding, sliding windows) unless `segment_lengths` are given: then causal
+    sdpa per packed sample, as sdpa_segments (the dense mask transformers built for the row is not read)."""
+    if segment_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return segment_causal_sdpa(module, query, key, value, None, segment_lengths=segment_lengths, **kwargs)
+
+
+def register_packable_sdpa() -> None:
+    """Make `attn_implementation="sdpa_packable"` known to transformers, with sdpa's own masks (idempotent)."""
+    AttentionInterface.register(PACKABLE_SDPA, packable_sdpa)
+    AttentionMaskInterface.register(PACKABLE_SDPA, sdpa_mask)
 
 
 def register_segment_attention() -> None:
