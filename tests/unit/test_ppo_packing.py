@@ -29,8 +29,8 @@ def tokenizer():
     return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
-def tiny(tokenizer, attention: str, head: str = "lm", fused: bool = True):
-    return build_model(name_or_path=None, from_config=TINY, config_path=None, tokenizer=tokenizer,
+def tiny(tokenizer, attention: str, head: str = "lm", fused: bool = True, config: dict = TINY):
+    return build_model(name_or_path=None, from_config=config, config_path=None, tokenizer=tokenizer,
                        attn_implementation=attention, dropout=0.0, activation_checkpointing=False,
                        trust_remote_code=False, head=head, seed=0, fused_head_chunk=7 if fused else None)
 
@@ -68,15 +68,17 @@ def test_packing_keeps_each_sample_and_points_at_the_state_before_each_action():
     assert padded.states is None and torch.equal(padded.inputs["attention_mask"], attention_mask)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_packed_action_logps_entropy_and_gradients_equal_the_padded_ones(tokenizer, fused):
+@pytest.mark.parametrize("family,fused", [("llama", True), ("llama", False), ("mistral", True)])
+def test_packed_action_logps_entropy_and_gradients_equal_the_padded_ones(tokenizer, family, fused):
     """The actor's (and the reference's) forward: log p and entropy of every action through the fused head (and the
-    full logits), and the gradient of a loss weighing every token differently, packed vs padded: within 1e-6."""
+    full logits), and the gradient of a loss weighing every token differently, packed vs padded: within 1e-6.
+    Mistral: a sliding window of 4, shorter than the samples, kept within each packed sample."""
     sequences, attention_mask, action_mask = rollout_rows(len(tokenizer))
     weights = torch.randn(3, ACTIONS, generator=torch.Generator().manual_seed(4)) * action_mask
+    config = TINY if family == "llama" else {**TINY, "model_type": "mistral", "sliding_window": 4}
     answers, grads = [], []
     for attention in (None, PACKABLE_SDPA):
-        model = tiny(tokenizer, PACKABLE_SDPA, fused=fused)
+        model = tiny(tokenizer, PACKABLE_SDPA, fused=fused, config=config)
         rows = action_rows(sequences, attention_mask, ACTIONS, attention)
         answer = action_answer(model, rows.inputs, sequences, ACTIONS, temperature=0.7, entropy=True,
                                states=rows.states)

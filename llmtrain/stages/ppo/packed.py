@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtrain.data.collate import Batch
-from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_LENGTHS
+from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_LENGTHS, packed_row_mask
 from llmtrain.stages.ppo.rollout import model_inputs
 
 PACKED_ATTENTIONS = (PACKABLE_SDPA, "flash_attention_2", "flash_attention_3")  # per-sample attention in one row
@@ -68,7 +68,8 @@ def action_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actio
 def packed_inputs(tokens: torch.Tensor, positions: torch.Tensor, lengths: tuple[int, ...], attention: str) -> dict:
     """Model keyword arguments for one packed row of samples of `lengths` (tokens, positions: (N,))."""
     if attention == PACKABLE_SDPA:
-        return {"input_ids": tokens[None], "position_ids": positions[None], SEGMENT_LENGTHS: (lengths,)}
+        return {"input_ids": tokens[None], "position_ids": positions[None], SEGMENT_LENGTHS: (lengths,),
+                "attention_mask": packed_row_mask(tokens.device)}
     row = Batch(tokens[None], tokens[None], None, positions[None], (lengths,), row_lengths=(len(tokens),))
     return row.for_attention(attention).model_inputs()  # flash-attention: cu_seq_lens over the samples
 
