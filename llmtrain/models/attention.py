@@ -79,13 +79,6 @@ def packable_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     return torch.cat(rows, dim=0), None
 
 
-# a packed forward's attention_mask: transformers returns a 4-D mask as it is, so it builds no (N, N) block mask
-# that per-sample attention would not read; empty, so an attention that did read it fails instead of attending across
-# samples
-def packed_row_mask(device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.zeros(1, 1, 0, 0, device=device)
-
-
 def repadded_causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          lengths: tuple[int, ...], window: int | None, **kwargs) -> torch.Tensor:
     """query (1, H, N, D), key/value (1, KV, N, D) of one packed row of samples of `lengths` -> (1, N, H, D). The

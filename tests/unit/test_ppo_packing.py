@@ -1,7 +1,8 @@
 """ppo.packing (stages/ppo/packed.py): a micro-batch of left-padded rollout rows packed into one row and read back
 into the (b, A) layout, and the packed forwards of the actor, reference and critic against the padded ones on a
-tiny Llama (fp32): log-probs, entropy, values and the policy loss's gradient; generation unchanged by the packable
-sdpa; the settings packing cannot honour refused with the field and the fix."""
+tiny Llama (fp32): log-probs, entropy, values and the gradients, also with a sliding window (Mistral), through LoRA
+adapters on and off, and an MoE's router aux loss (Mixtral); generation unchanged by the packable sdpa; the settings
+packing cannot honour refused with the field and the fix."""
 
 from __future__ import annotations
 
@@ -91,6 +92,54 @@ def test_packed_action_logps_entropy_and_gradients_equal_the_padded_ones(tokeniz
     assert torch.allclose(packed.entropy * action_mask, padded.entropy * action_mask, rtol=0, atol=1e-6)
     for name in grads[0]:
         assert torch.allclose(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_packed_logps_through_lora_and_its_disabled_adapters_equal_the_padded_ones(tokenizer):
+    """peft=lora: the actor (adapters on, their B weights drawn so that they matter) and the reference (the same
+    model with its adapters disabled) pass the packed row and the kept positions through peft's forward."""
+    from llmtrain.models.lora import LoraSettings
+
+    sequences, attention_mask, action_mask = rollout_rows(len(tokenizer))
+    model = build_model(name_or_path=None, from_config=TINY, config_path=None, tokenizer=tokenizer,
+                        attn_implementation=PACKABLE_SDPA, dropout=0.0, activation_checkpointing=False,
+                        trust_remote_code=False, seed=0, fused_head_chunk=7,
+                        lora=LoraSettings(r=4, alpha=8.0, dropout=0.0, target_modules="all-linear",
+                                          modules_to_save=None))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=g))
+
+    def logps(attention):
+        rows = action_rows(sequences, attention_mask, ACTIONS, attention)
+        return action_answer(model, rows.inputs, sequences, ACTIONS, 1.0, states=rows.states).logps * action_mask
+
+    with torch.no_grad():
+        actor = [logps(a) for a in (None, PACKABLE_SDPA)]
+        with model.disable_adapter():
+            reference = [logps(a) for a in (None, PACKABLE_SDPA)]
+    assert (actor[0] - reference[0]).abs().max() > 1e-3  # the adapters matter
+    assert torch.allclose(actor[1], actor[0], rtol=0, atol=1e-6)
+    assert torch.allclose(reference[1], reference[0], rtol=0, atol=1e-6)
+
+
+def test_an_moe_actor_routes_the_packed_row_as_the_padded_rows(tokenizer):
+    """Mixtral: the routers' aux loss of a packed row (every token real) equals the padded rows' over their real
+    tokens, and the log-probs agree."""
+    sequences, attention_mask, action_mask = rollout_rows(len(tokenizer))
+    config = {**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+              "router_aux_loss_coef": 0.5}
+    model = tiny(tokenizer, PACKABLE_SDPA, config=config)
+    answers = []
+    with torch.no_grad():
+        for attention in (None, PACKABLE_SDPA):
+            rows = action_rows(sequences, attention_mask, ACTIONS, attention)
+            answers.append(action_answer(model, rows.inputs, sequences, ACTIONS, 1.0, route=True, states=rows.states))
+    (padded, padded_term, padded_stats), (packed, packed_term, packed_stats) = answers
+    assert padded_term is not None and padded_term > 0
+    assert torch.allclose(packed_term, padded_term, rtol=1e-5) and torch.allclose(packed_stats, padded_stats, rtol=1e-5)
+    assert torch.allclose(packed.logps * action_mask, padded.logps * action_mask, rtol=0, atol=1e-6)
 
 
 def test_packed_values_equal_the_padded_ones(tokenizer):

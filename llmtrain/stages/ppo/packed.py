@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtrain.data.collate import Batch
-from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_LENGTHS, packed_row_mask
+from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_LENGTHS
 from llmtrain.stages.ppo.rollout import model_inputs
 
 PACKED_ATTENTIONS = (PACKABLE_SDPA, "flash_attention_2", "flash_attention_3")  # per-sample attention in one row
@@ -35,9 +35,8 @@ class ActionRows:
 
     def token_mask(self) -> torch.Tensor:
         """(rows, width) float, 1 on real tokens: what an MoE router's aux loss counts (a packed row has no pads)."""
-        if self.states is None:
-            return self.inputs["attention_mask"].float()
-        return torch.ones_like(self.inputs["input_ids"], dtype=torch.float32)
+        return self.inputs["attention_mask"].float() if "attention_mask" in self.inputs else \
+            torch.ones_like(self.inputs["input_ids"], dtype=torch.float32)  # flash-attention's packed row: no mask
 
 
 def action_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
@@ -68,8 +67,9 @@ def action_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actio
 def packed_inputs(tokens: torch.Tensor, positions: torch.Tensor, lengths: tuple[int, ...], attention: str) -> dict:
     """Model keyword arguments for one packed row of samples of `lengths` (tokens, positions: (N,))."""
     if attention == PACKABLE_SDPA:
+        # an all-ones padding mask: transformers then builds no (N, N) mask (packable_sdpa reads the segments)
         return {"input_ids": tokens[None], "position_ids": positions[None], SEGMENT_LENGTHS: (lengths,),
-                "attention_mask": packed_row_mask(tokens.device)}
+                "attention_mask": torch.ones_like(tokens)[None]}
     row = Batch(tokens[None], tokens[None], None, positions[None], (lengths,), row_lengths=(len(tokens),))
     return row.for_attention(attention).model_inputs()  # flash-attention: cu_seq_lens over the samples
 
