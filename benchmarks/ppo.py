@@ -48,6 +48,9 @@ PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, MICRO = 8, 4, 16, 16  # grpo_tiny's rol
 KL_COEF, CLIP_EPS, LR, MISSING_EOS_PENALTY = 0.04, 0.2, 1e-5, -0.5
 SEED = 1234
 GRPO_TRL = ("llmtrain grpo", "TRL GRPOTrainer")
+# ppo.packing on / off, side by side in the same rounds (the ratio of medians: the machine is shared)
+PACKED_PAIRS = (("llmtrain grpo, packed", "llmtrain grpo"), ("llmtrain grpo, packed", "TRL GRPOTrainer"),
+                ("llmtrain ppo, KV cache, packed", "llmtrain ppo, KV cache"))
 # TRL 1.16 leaves GenerationConfig.use_cache unset, and transformers 5 fills it from the checkpoint's
 # generation_config.json, which says use_cache=false in every llmtrain export (the model is trained without a
 # cache): so as shipped, TRL samples WITHOUT a KV cache from this model. "default" forces the cache on (like for
@@ -167,6 +170,9 @@ def window(times: list[float], generated: list[int], warmup: int, cpu: list[floa
 # ---- the suite ------------------------------------------------------------------------------------------------
 
 def llmtrain_overrides(kind: str, model: str, prompts: Path, out_dir: Path, steps: int) -> list[str]:
+    """kind: grpo | ppo | ppo_nocache, with `_packed` for ppo.packing=true (padding-free experience and update)."""
+    if kind.endswith("_packed"):
+        return [*llmtrain_overrides(kind[:-len("_packed")], model, prompts, out_dir, steps), "ppo.packing=true"]
     common = [f"model.name_or_path={model}", "model.from_config=null", "model.tokenizer=null",
               f"trainer.max_steps={steps}", f"trainer.seed={SEED}", "trainer.eval_every_n_steps=0",
               "trainer.save_every_n_steps=0", "trainer.log_every_n_steps=0", "precision=fp32", f"output_dir={out_dir}"]
@@ -198,9 +204,11 @@ def contenders(args, work: Path, tmp: Path, model: str, prompts: Path) -> dict:
                                    str(prompts), "--steps", str(steps), "--warmup", str(args.warmup), "--variant",
                                    variant, "--out", out]
 
-    found = {"llmtrain grpo": llmtrain("grpo"), "TRL GRPOTrainer": trl("default"),
+    found = {"llmtrain grpo": llmtrain("grpo"), "llmtrain grpo, packed": llmtrain("grpo_packed"),
+             "TRL GRPOTrainer": trl("default"),
              "TRL GRPOTrainer, no KV cache (checkpoint default)": trl("checkpoint_cache"),
-             "llmtrain ppo, KV cache": llmtrain("ppo"), "llmtrain ppo, no KV cache": llmtrain("ppo_nocache")}
+             "llmtrain ppo, KV cache": llmtrain("ppo"), "llmtrain ppo, KV cache, packed": llmtrain("ppo_packed"),
+             "llmtrain ppo, no KV cache": llmtrain("ppo_nocache")}
     return T.selected(found, args.only)
 
 
@@ -240,7 +248,19 @@ def summarise(runs: list[dict]) -> dict:
         summary["_ratios"] = {key: {"median": ours[key]["median"] / theirs[key]["median"],
                                     "best round": ours[key]["max"] / theirs[key]["max"]}
                               for key in ("steps_per_s", "generated_tokens_per_s", "generated_tokens_per_cpu_s")}
+    summary["_packing"] = packing_ratios(summary)
     return summary
+
+
+def packing_ratios(summary: dict) -> dict:
+    """Per PACKED_PAIRS pair present: steps/s and each phase's seconds, packed / other, by the median of rounds."""
+    out = {}
+    for packed, other in PACKED_PAIRS:
+        a, b = summary.get(packed, {}), summary.get(other, {})
+        if "steps_per_s" in a and "steps_per_s" in b:
+            out[f"{packed} / {other}"] = {key: a[key]["median"] / b[key]["median"]
+                                          for key in ("steps_per_s", *SPLIT) if b[key]["median"] > 0}
+    return out
 
 
 COLUMNS = ("contender", "steps/s (median):", "min–max:", "generated tok/s:", "gen tok/CPU-s:", "gen tok/step:",
@@ -270,6 +290,9 @@ def table(result: dict) -> str:
                      f"| {m('time_update_s'):.3f} | {m('time_rollout_s') / total:.2f} | {m('peak_rss_mb'):,.0f} "
                      f"| {m('others_load_cores'):.2f} |")
     lines.append("")
+    for pair, r in s.get("_packing", {}).items():
+        lines.append(f"- {pair}: steps/s **{r['steps_per_s']:.2f}×** by the median; seconds per iteration "
+                     + ", ".join(f"{k[5:-2]} {r[k]:.2f}×" for k in SPLIT if k in r))
     for key, r in s.get("_ratios", {}).items():
         lines.append(f"- llmtrain grpo / TRL GRPOTrainer, {key}: **{r['median']:.2f}×** by the median (best round "
                      f"{r['best round']:.2f}×); goal ≥ 1.0×")

@@ -66,6 +66,9 @@ class HeadQuery:
     entropy: bool = False
     accuracy: bool = False
     token_loss: TokenLoss | None = None
+    # (K,) long: the positions whose hidden states reach the head (a packed row's action states, transformers'
+    # logits_to_keep as indices; repeats allowed); None: the last K
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -351,7 +354,8 @@ class Asking:
 
     def __init__(self, module: torch.nn.Module, query: HeadQuery):
         self.query, self.head = query, fused_head_of(module)
-        self.kwargs = {"logits_to_keep": query.targets.shape[1]}
+        keep = query.targets.shape[1] if query.positions is None else query.positions
+        self.kwargs = {"logits_to_keep": keep}
         self.returned: list[torch.Tensor] = []  # what the head returned, recorded until the head is verified
 
     def read(self, logits: torch.Tensor) -> HeadAnswer:

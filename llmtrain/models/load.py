@@ -18,7 +18,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from llmtrain.config import ConfigError
 from llmtrain.models import fused_head
-from llmtrain.models.attention import SEGMENT_ATTENTION, register_segment_attention
+from llmtrain.models.attention import (
+    PACKABLE_SDPA,
+    SEGMENT_ATTENTION,
+    register_packable_sdpa,
+    register_segment_attention,
+)
 from llmtrain.models.flex import FLEX_ATTENTION, FLEX_IMPLEMENTATIONS, register_flex_attention
 from llmtrain.models.init import Gather, missing_modules, seeded_init
 
@@ -172,7 +177,7 @@ def resolve_attn_implementation(requested: str, device: torch.device, precision:
 # what transformers' model class must declare for each attention llmtrain can run it with: transformers checks a
 # name containing "sdpa" (ours too) against _supports_sdpa, and so on; a registered function of another name
 # (flex_segments) runs in every class whose attention goes through ALL_ATTENTION_FUNCTIONS
-_SUPPORT_FLAG = {SEGMENT_ATTENTION: "_supports_sdpa", "sdpa": "_supports_sdpa",
+_SUPPORT_FLAG = {SEGMENT_ATTENTION: "_supports_sdpa", "sdpa": "_supports_sdpa", PACKABLE_SDPA: "_supports_sdpa",
                  FLEX_ATTENTION: "_supports_attention_backend", "flex_attention": "_supports_flex_attn",
                  "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
 
@@ -322,6 +327,8 @@ def build_model(*, name_or_path: str | None, from_config: dict | None, config_pa
         config.num_labels = 1
     if attn_implementation == SEGMENT_ATTENTION:
         register_segment_attention()
+    if attn_implementation == PACKABLE_SDPA:
+        register_packable_sdpa()
     if attn_implementation == FLEX_ATTENTION:
         register_flex_attention()
     on_meta = torch.get_default_device().type == "meta"

@@ -7,6 +7,7 @@ import torch
 
 from llmtrain.data.collate import Batch
 from llmtrain.losses.dpo import owned_sums
+from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.fused_head import HeadAnswer, HeadQuery, action_targets, asking
 from llmtrain.models.moe import ROUTER_STATS, routed_forward, router_metrics, router_of
 
@@ -48,19 +49,27 @@ def pair_totals(module: torch.nn.Module, batch, route: bool = False):
 
 
 def action_answer(module: torch.nn.Module, inputs: dict, sequences: torch.Tensor, num_actions: int,
-                  temperature: float, entropy: bool = False, route: bool = False, token_loss=None):
+                  temperature: float, entropy: bool = False, route: bool = False, token_loss=None,
+                  states: torch.Tensor | None = None):
     """Rollout rows `sequences` (b, T) (`inputs`: their model inputs, with the attention mask) whose last A tokens
     are actions -> log p of each action (b, A), and its entropy (b, A) when asked, under softmax(logits / temperature);
     only the last A + 1 positions reach the head. With `route`: (answer, MoE term, MoE statistics). token_loss: a
     models/fused_head.TokenLoss over the b·(A + 1) flattened positions (`flat_actions` lays tensors out so), whose sum
-    is the answer's loss_sum."""
+    is the answer's loss_sum. states: (b, A + 1) long when `inputs` is one packed row (stages/ppo/packed.py): the
+    position of the state before each action (negative: none; log p 0 there), which alone reach the head."""
     if not 0 < num_actions < sequences.size(1):
         raise ValueError(f"num_actions={num_actions} must be in [1, T) for T={sequences.size(1)} positions")
-    query = HeadQuery(action_targets(sequences, num_actions), temperature=temperature, entropy=entropy,
-                      token_loss=token_loss)
-    answer, term, stats = asked_forward(module, inputs, lambda: inputs["attention_mask"].float(), query, route)
-    # (b, A + 1): the last position predicts nothing
-    answer = HeadAnswer(logps=answer.logps[:, :-1], entropy=None if answer.entropy is None else answer.entropy[:, :-1],
+    targets = action_targets(sequences, num_actions)  # (b, A + 1)
+    positions = None
+    if states is not None:  # one packed row: the head reads b·(A + 1) states, in flat_actions' order
+        targets, positions = targets.masked_fill(states < 0, IGNORE_INDEX).reshape(1, -1), states.clamp(min=0).flatten()
+    query = HeadQuery(targets, temperature=temperature, entropy=entropy, token_loss=token_loss, positions=positions)
+    token_mask = (lambda: inputs["attention_mask"].float()) if states is None else \
+        (lambda: torch.ones_like(inputs["input_ids"], dtype=torch.float32))  # a packed row has no padding
+    answer, term, stats = asked_forward(module, inputs, token_mask, query, route)
+    shape = (sequences.shape[0], num_actions + 1)  # (b, A + 1): the last position predicts nothing
+    answer = HeadAnswer(logps=answer.logps.view(shape)[:, :-1],
+                        entropy=None if answer.entropy is None else answer.entropy.view(shape)[:, :-1],
                         loss_sum=answer.loss_sum)
     return (answer, term, stats) if route else answer
 

@@ -4,7 +4,10 @@ ZeRO-2, ZeRO-3 and FSDP2 equal DDP's; the first ratio of every iteration is exac
 Every run starts from the tiny SFT base (`${base:sft_tiny}`), trains 4 iterations of 8 prompts (8 new tokens at
 most; PPO 1 sample per prompt, GRPO 4) in mini-batches of 4 sequences, 2 epochs, micro-batches of 2, fp32, and
 saves at iteration 2. The sampling RNG is seeded from (seed, step, dp rank), so every backend draws the same tokens
-as long as its logits agree. Each named run runs once, on first use, and serves several tests.
+as long as its logits agree. Each named run runs once, on first use, and serves several tests. Three runs pack their
+experience and update forwards (ppo.packing, PACKED): PPO on ZeRO-2 (actor, reference and critic) and GRPO on ZeRO-2
+and FSDP2, so the parity tests compare packed forwards on one backend with DDP's padded ones, and the first-ratio and
+resume tests hold for packed rows too.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tests.helpers import REPO, assert_ok, read_metrics, run_cli
@@ -27,20 +31,25 @@ SHORT = ["trainer.max_steps=4", "trainer.save_every_n_steps=2", "trainer.keep_la
 STAGES = {"ppo": ["recipe=ppo_tiny", "ppo.rollout.prompts_per_step=8", "ppo.kl.target=0.02", "ppo.kl.horizon=64"],
           "grpo": ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=2", "ppo.rollout.n_samples_per_prompt=4"]}
 BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
+PACKED = ("ppo_zero2", "grpo_zero2", "grpo_fsdp2")  # runs (and their resumed runs) with ppo.packing=true
 COMPARED = ("score", "reward", "kl", "policy_loss", "grad_norm", "approx_kl", "entropy")
 
 
 class Runs:
     def __init__(self, root: Path, eval_file: Path):
-        self.root, self.eval_file, self.done = root, eval_file, {}
+        self.root, self.eval_file, self.done, self.packed = root, eval_file, {}, {}
 
     def get(self, stage: str, backend: str, *extra: str, tag: str = "") -> Path:
         name = f"{stage}_{backend}{tag}"
         if name not in self.done:
-            args = [*STAGES[stage], *SHORT, f"data.eval_files=[{self.eval_file}]", *BACKENDS[backend], *extra,
-                    f"output_dir={self.root / name}"]
+            packs = f"{stage}_{backend}" in PACKED and tag in ("", "_resumed")
+            self.packed[name] = ["ppo.packing=true"] if packs else []
+            args = [*STAGES[stage], *SHORT, f"data.eval_files=[{self.eval_file}]", *BACKENDS[backend],
+                    *self.packed[name], *extra, f"output_dir={self.root / name}"]
             self.done[name] = run_cli(args, nproc=2)
         assert_ok(self.done[name])
+        if self.packed[name]:  # the override reached the run's resolved config
+            assert OmegaConf.load(self.root / name / "config.yaml").ppo.packing is True
         return self.root / name
 
 
@@ -88,9 +97,11 @@ def test_grpo_update_parity_with_ddp(runs, backend, assert_close_series):
         assert_close_series(ours, reference, key, 1e-4, 1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "ddp")])
+@pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "ddp"),
+                                           ("ppo", "zero2"), ("grpo", "fsdp2")])
 def test_first_ratio_of_every_iteration_is_exactly_one(runs, stage, backend):
-    """The experience's log-probs come from the same micro-batches the first mini-batch trains on."""
+    """The experience's log-probs come from the same micro-batches the first mini-batch trains on (ppo_zero2 and
+    grpo_fsdp2: packed the same way too)."""
     train = read_metrics(runs.get(stage, backend))[0]
     assert [r["first_ratio_dev"] for r in train] == [0.0] * 4
     assert train[0]["kl"] == 0.0  # the reference is the initial actor

@@ -12,13 +12,14 @@ from llmtrain.config import ConfigError
 from llmtrain.data.prompts import PROMPT_FORMATS
 from llmtrain.losses.advantages import needs_critic
 from llmtrain.losses.kl import build_kl_controller
-from llmtrain.models.attention import SEGMENT_ATTENTION
+from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.models.stop_tokens import derive_stop_tokens
 from llmtrain.stages.base import ModelSource, RoleSpec
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.config import PPOConfig
 from llmtrain.stages.ppo.experience import ExperienceSettings
+from llmtrain.stages.ppo.packed import PACKED_ATTENTIONS
 from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_functions, reward_model_statistics
 from llmtrain.stages.ppo.rollout import SamplingSettings, checkpoint_overrides
 from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
@@ -50,10 +51,17 @@ def uses_reference(kl) -> bool:
     return kl.coef > 0 or kl.target is not None
 
 
-def attention_for_rollouts(attn_implementation: str) -> str:
-    """Left-padded prompts need an attention that reads the padding mask: the packing-only ones become sdpa."""
+def attention_for_rollouts(attn_implementation: str, packing: bool = False) -> str:
+    """Left-padded prompts need an attention that reads the padding mask: the packing-only ones become sdpa, and
+    with ppo.packing sdpa that also runs per-sample attention over a packed row (models/attention.py)."""
     if attn_implementation == SEGMENT_ATTENTION or attn_implementation in FLEX_IMPLEMENTATIONS:
-        return "sdpa"
+        attn_implementation = "sdpa"
+    if packing and attn_implementation == "sdpa":
+        return PACKABLE_SDPA
+    if packing and attn_implementation not in PACKED_ATTENTIONS:
+        raise ConfigError(f"ppo.packing=true needs per-sample attention over a packed row (sdpa or flash-attention); "
+                          f"the model runs {attn_implementation} attention (its family has no sdpa, or "
+                          f"model.attn_implementation={attn_implementation}): set ppo.packing=false")
     return attn_implementation
 
 
@@ -98,12 +106,13 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     eval_sampling = SamplingSettings(max_new_tokens=rollout.eval_max_new_tokens or rollout.max_new_tokens,
                                      temperature=0.0, use_cache=rollout.use_cache,
                                      batch_size=rollout.generation_batch_size)
+    attention = attention_for_rollouts(attn_implementation, p.packing)
     experience = ExperienceSettings(
         temperature=rollout.temperature, kl_estimator=p.kl.estimator, kl_in_reward=p.kl.in_reward,
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
         group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size, scale_rewards=p.scale_rewards,
         mask_truncated=p.mask_truncated,
-        old_logps_from_update=old_logps_from_update(p))
+        old_logps_from_update=old_logps_from_update(p), packed_attention=attention if p.packing else None)
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
                             kl_in_loss=not p.kl.in_reward, kl_estimator=p.kl.estimator,
@@ -121,7 +130,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                      kl_controller=build_kl_controller(p.kl.coef, p.kl.target, p.kl.horizon),
                      shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
-                     stop_ids=stop_ids(cfg, source, tokenizer), attention=attention_for_rollouts(attn_implementation),
+                     stop_ids=stop_ids(cfg, source, tokenizer), attention=attention,
                      reward_model_weight=r.model_weight, critic_warmup_steps=p.critic.warmup_steps,
                      filter_max_rounds=p.filter_max_rounds if p.filter_groups else 0)
     stage.name = cfg.stage.name

@@ -39,6 +39,9 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if m.attn_implementation in SEGMENT_ONLY_ATTENTION:
         problems.append(f"stage {stage}: model.attn_implementation={m.attn_implementation} ignores padding masks, but "
                         "prompts are left-padded: use auto (sdpa, or flash-attention on a GPU) or sdpa")
+    if p.packing and m.attn_implementation == "eager":
+        problems.append("ppo.packing=true needs per-sample attention over a packed row: model.attn_implementation="
+                        "eager has none; use auto or sdpa (or flash_attention_2 on a GPU), or ppo.packing=false")
     problems += _reward_function_problems(r)
     if r.normalize and r.model is None:
         problems.append("ppo.reward.normalize=true uses a reward model's exported reward_mean/std: "

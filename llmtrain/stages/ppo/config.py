@@ -78,6 +78,9 @@ class PPOConfig:
     scale_rewards: str = "group"  # grpo: divide by the group's std | batch: the batch's | none (Dr. GRPO)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     ratio: str = "token"  # token | sequence (GSPO: the sequence's mean log-ratio)
+    # padding-free experience and update forwards (OpenRLHF's packing_samples): each micro-batch's sequences, prompt
+    # and response without padding, in one row with per-sample attention; generation is unchanged
+    packing: bool = False
     epochs: int = 1
     mini_batch_size: int = 16  # sequences per optimizer step, global
     clip_eps: float = 0.2  # ε_low, and ε_high unless clip_eps_high

@@ -20,7 +20,8 @@ from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.models.heads import captured_token_scores
 from llmtrain.parallel import all_gather_rows, all_reduce_sum
 from llmtrain.stages.head import action_answer
-from llmtrain.stages.ppo.rollout import Rollout, model_inputs
+from llmtrain.stages.ppo.packed import ActionRows, action_rows, action_values
+from llmtrain.stages.ppo.rollout import Rollout
 
 
 @dataclass
@@ -107,22 +108,30 @@ class ExperienceSettings:
     # One optimizer step per rollout and no KL in the reward (GRPO's usual setting, TRL's default): the update's
     # own forward gives the old log-probs (ratio 1 by construction), so the experience skips the actor's forward.
     old_logps_from_update: bool = False
+    # ppo.packing: the attention that packs each micro-batch into one row (stages/ppo/packed.py); None: padded rows.
+    # The update reads the same setting, so its first forward sees the experience's layout (first ratio exactly 1)
+    packed_attention: str | None = None
+
+
+def rows_of(mb: Experience, packed_attention: str | None) -> ActionRows:
+    """The forward inputs of a micro-batch: its padded rows, or one packed row (ppo.packing)."""
+    return action_rows(mb.sequences, mb.attention_mask, mb.num_actions, packed_attention)
 
 
 @torch.no_grad()
-def policy_logps(engine, mb: Experience, temperature: float) -> torch.Tensor:
-    """(b, A) fp32 log-probs of the actions under the engine's model (0 off the mask)."""
+def policy_logps(engine, mb: Experience, temperature: float, rows: ActionRows) -> torch.Tensor:
+    """(b, A) fp32 log-probs of the actions under the engine's model (0 off the mask); rows: rows_of(mb, ...)."""
     with engine.autocast():
-        answer = action_answer(engine.module, model_inputs(mb.sequences, mb.attention_mask), mb.sequences,
-                               mb.num_actions, temperature)
+        answer = action_answer(engine.module, rows.inputs, mb.sequences, mb.num_actions, temperature,
+                               states=rows.states)
     return answer.logps * mb.action_mask
 
 
-def values_of(forward, model: torch.nn.Module, mb: Experience) -> torch.Tensor:
+def values_of(forward, model: torch.nn.Module, mb: Experience, rows: ActionRows) -> torch.Tensor:
     """(b, A) fp32 V_t from the critic's per-token scores at the state before each action (0 off the mask)."""
     with captured_token_scores(model) as captured:
-        forward(**model_inputs(mb.sequences, mb.attention_mask))
-    return captured[-1].float()[:, -mb.num_actions - 1:-1] * mb.action_mask
+        forward(**rows.inputs)
+    return action_values(captured[-1].float(), rows, mb.num_actions) * mb.action_mask
 
 
 def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Tensor], kl_coef: float,
@@ -135,15 +144,15 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     old, ref, values = (torch.zeros_like(exp.old_logps) for _ in range(3))
     for rows in micro_batches:
         mb = exp.select(rows).trimmed()
-        width = mb.num_actions
+        width, inputs = mb.num_actions, rows_of(mb, settings.packed_attention)  # packed once for every role
         if not settings.old_logps_from_update:
-            old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature)
+            old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature, inputs)
         if "reference" in engines:  # none when β = 0: the KL is then 0
-            ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature)
+            ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature, inputs)
         if "critic" in engines:
             critic = engines["critic"]
             with torch.no_grad(), critic.autocast():
-                values[rows, :width] = values_of(critic.module, critic.model, mb)
+                values[rows, :width] = values_of(critic.module, critic.model, mb, inputs)
     old, ref, values = all_reduce_sum(torch.stack([old, ref, values]), group).unbind()  # each row from one rank
     mask = exp.action_mask
     kl = KL_ESTIMATORS[settings.kl_estimator](old, ref) * mask  # (B, A)

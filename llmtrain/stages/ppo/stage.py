@@ -35,6 +35,7 @@ from llmtrain.stages.ppo.experience import (
     ExperienceSettings,
     gather_rollout,
     make_experience,
+    rows_of,
     update_layout,
     values_of,
 )
@@ -47,7 +48,7 @@ from llmtrain.stages.ppo.rewards import (
     reward_model_scores,
     score_metrics,
 )
-from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate, model_inputs
+from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate
 
 POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss", "tokens")
 VALUE_STATS = ("value_clipped",)
@@ -292,10 +293,11 @@ class PPOStage(Stage):
         # token-level ratios: the loss is a sum of per-token terms, computed with its gradient inside the fused head;
         # GSPO's sequence ratio needs whole sequences, so its loss is taken from the head's log-probs
         token_loss = self._token_loss(mb, weights) if self.update.ratio_level == "token" else None
-        answer, router_term, router_stats = action_answer(module, model_inputs(mb.sequences, mb.attention_mask),
-                                                          mb.sequences, mb.num_actions, self.update.temperature,
-                                                          entropy=True, route=True,  # MoE: + coef × routers' aux
-                                                          token_loss=token_loss)
+        rows = rows_of(mb, self.experience.packed_attention)  # the layout the experience's forwards had
+        answer, router_term, router_stats = action_answer(module, rows.inputs, mb.sequences, mb.num_actions,
+                                                          self.update.temperature, entropy=True,
+                                                          route=True,  # MoE: + coef × routers' aux
+                                                          token_loss=token_loss, states=rows.states)
         logps = answer.logps  # (b, A)
         old = logps.detach() if on_policy else mb.old_logps
         if token_loss is None:
@@ -353,12 +355,13 @@ class PPOStage(Stage):
         u = self.update
         router = router_of(module)
         term = router_stats = None
+        rows = rows_of(mb, self.experience.packed_attention)
         if router is None:
-            values = values_of(module, model, mb)  # (b, A): the engine's model holds the score layer
+            values = values_of(module, model, mb, rows)  # (b, A): the engine's model holds the score layer
         else:
             with captured_router_logits(model) as router_logits:
-                values = values_of(partial(module, output_router_logits=True), model, mb)
-            term, router_stats = router_terms(router, router_logits[-1], mb.attention_mask.float())
+                values = values_of(partial(module, output_router_logits=True), model, mb, rows)
+            term, router_stats = router_terms(router, router_logits[-1], rows.token_mask())
         losses = value_loss_terms(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         clipped = value_clipped(values, mb.values, mb.returns, mb.action_mask, u.value_clip_eps)
         return with_router(u.value_coef * losses.sum(), clipped.float().sum().reshape(1), term, router_stats)
