@@ -122,3 +122,23 @@ def save_tiny_model_with_tokenizer(directory: Path, name: str, model_type: str =
     from tests.fixtures.tokenizers import fixture_tokenizer, write_tiny_model
 
     return write_tiny_model(fixture_tokenizer(name), directory, model_type, seed)
+
+
+def spawn_ranks(target, messages: int, world: int = 2) -> tuple[list, list]:
+    """`target(rank, port, queue)` in `world` spawned processes that can form a gloo group on a free local port:
+    (the `messages` items they put on the queue, read before joining them; their exit codes)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=target, args=(rank, port, queue)) for rank in range(world)]
+    for worker in workers:
+        worker.start()
+    received = [queue.get(timeout=120) for _ in range(messages)]
+    for worker in workers:
+        worker.join(timeout=60)
+    return received, [worker.exitcode for worker in workers]

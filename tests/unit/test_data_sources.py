@@ -1,7 +1,6 @@
 """Sources: local files, save_to_disk directories, the seeded eval split, main_process_first."""
 
 import json
-import multiprocessing as mp
 import time
 
 import datasets
@@ -9,6 +8,7 @@ import pytest
 
 from llmtrain.data.errors import DataConfigError
 from llmtrain.data.sources import load_rows, split_eval
+from tests.helpers import spawn_ranks
 
 RECORDS = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(5)]
 
@@ -71,20 +71,9 @@ def _record_order(rank: int, port: int, events) -> None:
 
 
 def test_main_process_first_runs_rank_zero_before_the_others():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    events = context.Queue()
-    workers = [context.Process(target=_record_order, args=(rank, port, events)) for rank in range(2)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
-    assert all(worker.exitcode == 0 for worker in workers)
-    times = {(rank, kind): t for rank, kind, t in (events.get(timeout=5) for _ in range(4))}
+    events, exit_codes = spawn_ranks(_record_order, messages=4)
+    assert exit_codes == [0, 0]
+    times = {(rank, kind): t for rank, kind, t in events}
     assert times[(1, "enter")] >= times[(0, "exit")]
 
 

@@ -5,15 +5,13 @@ full logits in one process; the plain forward's gathered logits equal the whole 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.vocab_parallel import shard_rows
+from tests.helpers import spawn_ranks
 
 V, H, N = 13, 6, 10  # odd V: the ranks hold 7 and 6 rows
 TEMPERATURE, SOFTCAP, CHUNK = 0.7, 5.0, 4  # CHUNK does not divide N: a short last chunk
@@ -105,18 +103,9 @@ def _rel(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def test_two_ranks_equal_the_full_logits():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    workers = [context.Process(target=_rank, args=(rank, port, results)) for rank in range(2)]
-    for worker in workers:
-        worker.start()
-    reports = dict(results.get(timeout=120) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-    assert all(worker.exitcode == 0 for worker in workers)
+    received, exit_codes = spawn_ranks(_rank, messages=2)
+    reports = dict(received)
+    assert exit_codes == [0, 0]
     for rank, report in reports.items():
         assert report.pop("hits_equal") and report.pop("hits") >= 3, (rank, report)
         assert all(value <= 1e-6 for value in report.values()), (rank, report)
