@@ -83,7 +83,7 @@ def main() -> None:
     from llmtrain.compose import compose_config
     from llmtrain.models.attention import PACKABLE_SDPA
     from llmtrain.models.load import build_model, load_tokenizer
-    from llmtrain.stages.ppo.experience import policy_logps, rows_of, values_of
+    from llmtrain.stages.ppo.experience import forward_rows, policy_logps, values_of
     from llmtrain.stages.registry import build_stage
     from ppo import sft_tiny_base
 
@@ -104,7 +104,7 @@ def main() -> None:
             return torch.autocast("cpu", enabled=False)
 
     def experience(attention):
-        return lambda: [policy_logps(Engine, mb, 1.0, rows_of(mb, attention)) for mb in micro]
+        return lambda: [policy_logps(Engine, mb, 1.0, forward_rows(mb, attention)) for mb in micro]
 
     def update(attention):
         def run():
@@ -118,7 +118,7 @@ def main() -> None:
                          trust_remote_code=False, head="scalar")
 
     def critic_update(attention):
-        return lambda: [values_of(critic, critic, mb, rows_of(mb, attention)).sum().backward() for mb in micro]
+        return lambda: [values_of(critic, critic, mb, forward_rows(mb, attention)).sum().backward() for mb in micro]
 
     result = {"micro_batches": len(micro), "micro_batch": MICRO, "repeats": args.repeats,
               "padded_tokens": sum(mb.sequences.numel() for mb in micro),

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.backends.pipeline_checks import SCHEDULES, StageCosts, describe_stage, split_blocks
+from llmtrain.backends.spec import pp_of
 from llmtrain.metrics.cost import Collective, activation_bytes
 
 GIB = 1024**3
@@ -52,7 +53,7 @@ def boundary_bytes(rows: int, seq: int, hidden: int, precision: str) -> int:
 
 def pipeline_p2p(backend: Any, *, rows: int, accum: int, seq: int, hidden: int, precision: str) -> list[Collective]:
     """The busiest pp rank's point-to-point sends of one step, as a Collective of kind p2p ([] without pp)."""
-    pp = getattr(backend, "pp", 1)
+    pp = pp_of(backend)
     if pp <= 1 or backend.pp_schedule not in SCHEDULES:
         return []
     v = backend.pp_virtual_stages if SCHEDULES[backend.pp_schedule][1] else 1
@@ -63,7 +64,7 @@ def pipeline_p2p(backend: Any, *, rows: int, accum: int, seq: int, hidden: int, 
 def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int, dp: int, precision: str,
                    checkpointing: bool) -> list[str]:
     """The planner's lines for backend.pp > 1 (empty otherwise)."""
-    pp = getattr(backend, "pp", 1)
+    pp = pp_of(backend)
     if pp <= 1 or backend.pp_schedule not in SCHEDULES:
         return []
     schedule = backend.pp_schedule

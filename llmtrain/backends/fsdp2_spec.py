@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrain.backends.spec import BackendSpec, sp_of
+from llmtrain.backends.spec import BackendSpec, pp_of, sp_of
 from llmtrain.config import BackendNode
 from llmtrain.metrics.cost import Collective, Layout, RoleParams, StateBytes
 from llmtrain.parallel import ParallelDims
@@ -34,20 +34,16 @@ class FSDP2Config(BackendNode):
     pp_virtual_stages: int = 1  # stages per rank (interleaved_1f1b: >= 2)
 
 
-def _pp(backend: Any) -> int:
-    return getattr(backend, "pp", 1)  # a plain namespace (tests, older callers) has no pipeline: 1
-
-
 def degrees(backend: Any) -> dict[str, int]:
     return {"dp_replicate": backend.dp_replicate, "dp_shard": backend.dp_shard, "sp": sp_of(backend), "tp": backend.tp,
-            "pp": _pp(backend)}
+            "pp": pp_of(backend)}
 
 
 def problems(backend: Any, world_size: int) -> list[str]:
     """world = pp × dp_replicate × dp_shard × sp × tp (dp_shard -1: inferred); the pipeline's own fields."""
     from llmtrain.backends.pipeline_checks import schedule_problems, unsupported_settings
 
-    pp, sp = _pp(backend), sp_of(backend)
+    pp, sp = pp_of(backend), sp_of(backend)
     found = ParallelDims.problems(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp=sp, pp=pp)
     if pp > 1:
         found += schedule_problems(backend) + unsupported_settings(backend)
@@ -69,7 +65,7 @@ def model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
 def _pipeline_model_problems(backend: Any, arch: Any) -> list[str]:
     from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
 
-    if _pp(backend) <= 1:
+    if pp_of(backend) <= 1:
         return []
     from llmtrain.backends.pipeline import has_layer_stack
     from llmtrain.models.moe import expert_count
@@ -89,7 +85,7 @@ def _tp_model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:
     if plan_problems:
         return plan_problems
     dims = ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size, sp=sp_of(backend),
-                              pp=_pp(backend))
+                              pp=pp_of(backend))
     heads = arch.num_attention_heads
     return dims.model_problems(model_type=arch.model_type, num_heads=heads,
                                num_kv_heads=getattr(arch, "num_key_value_heads", None) or heads,
@@ -101,14 +97,14 @@ def plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     from llmtrain.backends.pipeline_checks import model_problems as pipeline_model_problems
     from llmtrain.models.ulysses_checks import sp_facts_problems
 
-    pipeline = pipeline_model_problems(backend, facts.layers, 0, facts.model_type) if _pp(backend) > 1 else []
+    pipeline = pipeline_model_problems(backend, facts.layers, 0, facts.model_type) if pp_of(backend) > 1 else []
     sp_found = sp_facts_problems(sp_of(backend), backend.tp, facts)
     if backend.tp <= 1 or sp_found:
         return pipeline + sp_found
     if not facts.tp_params:
         return [*pipeline, f"{facts.model_type} has no tensor-parallel plan in transformers"]
     return pipeline + ParallelDims.build(backend.dp_replicate, backend.dp_shard, backend.tp, world_size,
-                                         sp=sp_of(backend), pp=_pp(backend)).model_problems(
+                                         sp=sp_of(backend), pp=pp_of(backend)).model_problems(
         model_type=facts.model_type, num_heads=facts.heads, num_kv_heads=facts.kv_heads,
         intermediate_size=facts.intermediate)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmtrain.backends.spec import pp_of
+
 # schedule name -> (torch.distributed.pipelining class, several stages per rank, needs M >= pp)
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", False, False),
@@ -59,7 +61,7 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
     """What the rest of the config must be for backend.pp > 1 (validation.py; every rank, nothing loaded). stage: the
     run's stages/spec.StageSpec (`pipelines`: it runs through a pipeline; `prompts`: it generates)."""
     backend = cfg.backend
-    pp = getattr(backend, "pp", 1)
+    pp = pp_of(backend)
     if pp <= 1:
         return []
     problems = []

@@ -24,6 +24,12 @@ def sp_of(backend: Any) -> int:
     return int(getattr(backend, "sp", 1) or 1)
 
 
+def pp_of(backend: Any) -> int:
+    """backend.pp (pipeline stages); 1 for a backend (or a test's namespace) without the field. Not defaulted past
+    the field: a pp of 0 stays 0 for the pipeline checks to refuse."""
+    return getattr(backend, "pp", 1)
+
+
 def flat_data_parallel(backend: Any) -> dict[str, int]:
     """Every rank its own data, nothing but data parallel: (dp_replicate 1, dp_shard the world, tp 1)."""
     return {"dp_replicate": 1, "dp_shard": -1, "sp": 1, "tp": 1}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from llmtrain.backends.spec import pp_of
 from llmtrain.data.pipeline import eval_batches
 from llmtrain.losses.dpo import (
     AVERAGED_LOGPS,
@@ -158,14 +159,10 @@ class DPOStage(Stage):
         return reward_eval_metrics(eval_totals(policy, batches, batch_sums, 4))
 
 
-def pp_degree(cfg) -> int:
-    return getattr(cfg.backend, "pp", 1) or 1
-
-
 def dpo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
     """The policy and its frozen reference; under backend.pp > 1 the policy alone (module docstring)."""
     roles = {"policy": RoleSpec(source, head="lm", trainable=True)}
-    if cfg is None or pp_degree(cfg) == 1:
+    if cfg is None or pp_of(cfg.backend) == 1:
         roles["reference"] = RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")
     return roles
 
@@ -177,7 +174,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOS
                     padding_free=padding_free_for(attn_implementation),
                     cache_path=Path(cfg.output_dir) / CACHE_FILE if d.precompute_ref_logps else None,
                     resumed_run=resumed_run_dir(cfg.resume), eval_batch_size=t.eval_batch_size or t.micro_batch_size,
-                    pipelined=pp_degree(cfg) > 1)
+                    pipelined=pp_of(cfg.backend) > 1)
 
 
 def resumed_run_dir(resume: str | None) -> Path | None:
@@ -196,8 +193,9 @@ def problems(cfg, dp: int) -> list[str]:
         found.append(f"dpo.beta={d.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
     if not 0 <= d.label_smoothing < 0.5:
         found.append(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
-    if pp_degree(cfg) > 1 and not d.precompute_ref_logps:
-        found.append(f"stage=dpo with backend.pp={pp_degree(cfg)} computes the reference log-probs once, before step "
+    pp = pp_of(cfg.backend)
+    if pp > 1 and not d.precompute_ref_logps:
+        found.append(f"stage=dpo with backend.pp={pp} computes the reference log-probs once, before step "
                      "1, through the policy's own pipeline (no frozen pipelined reference role is built): set "
                      "dpo.precompute_ref_logps=true, or backend.pp=1 for the in-step reference")
     if d.loss in DPO_LOSSES and d.loss not in SMOOTHED_LOSSES and d.label_smoothing > 0:

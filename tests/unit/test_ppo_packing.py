@@ -16,7 +16,7 @@ from llmtrain.models.load import build_model, load_tokenizer
 from llmtrain.stages.head import action_answer
 from llmtrain.stages.ppo.build import attention_for_rollouts
 from llmtrain.stages.ppo.checks import ppo_problems
-from llmtrain.stages.ppo.experience import Experience, rows_of, values_of
+from llmtrain.stages.ppo.experience import Experience, forward_rows, values_of
 from llmtrain.stages.ppo.packed import NO_STATE, action_rows, action_values
 from tests.helpers import TOKENIZER_DIR
 
@@ -148,7 +148,7 @@ def test_packed_values_equal_the_padded_ones(tokenizer):
     critic = tiny(tokenizer, PACKABLE_SDPA, head="scalar")
     mb = Experience.of_rollout(_rollout(sequences, attention_mask, action_mask), torch.zeros(3))
     with torch.no_grad():
-        padded, packed = (values_of(critic, critic, mb, rows_of(mb, a)) for a in (None, PACKABLE_SDPA))
+        padded, packed = (values_of(critic, critic, mb, forward_rows(mb, a)) for a in (None, PACKABLE_SDPA))
     assert padded.abs().sum() > 0
     assert torch.allclose(packed, padded, rtol=0, atol=1e-6)
 

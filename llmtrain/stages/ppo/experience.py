@@ -113,14 +113,14 @@ class ExperienceSettings:
     packed_attention: str | None = None
 
 
-def rows_of(mb: Experience, packed_attention: str | None) -> ActionRows:
+def forward_rows(mb: Experience, packed_attention: str | None) -> ActionRows:
     """The forward inputs of a micro-batch: its padded rows, or one packed row (ppo.packing)."""
     return action_rows(mb.sequences, mb.attention_mask, mb.num_actions, packed_attention)
 
 
 @torch.no_grad()
 def policy_logps(engine, mb: Experience, temperature: float, rows: ActionRows) -> torch.Tensor:
-    """(b, A) fp32 log-probs of the actions under the engine's model (0 off the mask); rows: rows_of(mb, ...)."""
+    """(b, A) fp32 log-probs of the actions under the engine's model (0 off the mask); rows: forward_rows(mb, ...)."""
     with engine.autocast():
         answer = action_answer(engine.module, rows.inputs, mb.sequences, mb.num_actions, temperature,
                                states=rows.states)
@@ -144,7 +144,7 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     old, ref, values = (torch.zeros_like(exp.old_logps) for _ in range(3))
     for rows in micro_batches:
         mb = exp.select(rows).trimmed()
-        width, inputs = mb.num_actions, rows_of(mb, settings.packed_attention)  # packed once for every role
+        width, inputs = mb.num_actions, forward_rows(mb, settings.packed_attention)  # packed once for every role
         if not settings.old_logps_from_update:
             old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature, inputs)
         if "reference" in engines:  # none when β = 0: the KL is then 0

@@ -33,9 +33,9 @@ from llmtrain.stages.head import action_answer, flat_actions, routed_update, wit
 from llmtrain.stages.ppo.experience import (
     Experience,
     ExperienceSettings,
+    forward_rows,
     gather_rollout,
     make_experience,
-    rows_of,
     update_layout,
     values_of,
 )
@@ -293,7 +293,7 @@ class PPOStage(Stage):
         # token-level ratios: the loss is a sum of per-token terms, computed with its gradient inside the fused head;
         # GSPO's sequence ratio needs whole sequences, so its loss is taken from the head's log-probs
         token_loss = self._token_loss(mb, weights) if self.update.ratio_level == "token" else None
-        rows = rows_of(mb, self.experience.packed_attention)  # the layout the experience's forwards had
+        rows = forward_rows(mb, self.experience.packed_attention)  # the layout the experience's forwards had
         answer, router_term, router_stats = action_answer(module, rows.inputs, mb.sequences, mb.num_actions,
                                                           self.update.temperature, entropy=True,
                                                           route=True,  # MoE: + coef × routers' aux
@@ -355,7 +355,7 @@ class PPOStage(Stage):
         u = self.update
         router = router_of(module)
         term = router_stats = None
-        rows = rows_of(mb, self.experience.packed_attention)
+        rows = forward_rows(mb, self.experience.packed_attention)
         if router is None:
             values = values_of(module, model, mb, rows)  # (b, A): the engine's model holds the score layer
         else:
