@@ -10,8 +10,6 @@ import torch.distributed as dist
 from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.errors import DataConfigError
 from llmtrain.data.formats import (
-    CHUNKED,
-    TRAINED,
     DataStats,
     check_columns,
     check_length_policy,
@@ -20,6 +18,7 @@ from llmtrain.data.formats import (
     encode_row,
     split_chunks,
 )
+from llmtrain.data.outcomes import CHUNKED, TRAINED
 from llmtrain.data.packing import merge_packed, pack_best_fit
 
 SEQUENCE_COLUMNS = ("input_ids", "labels")

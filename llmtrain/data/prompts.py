@@ -22,8 +22,8 @@ import torch
 
 from llmtrain.data.collate import FILLER
 from llmtrain.data.errors import DataConfigError
-from llmtrain.data.formats import _bos, _chat_ids, _token_ids
 from llmtrain.data.sources import load_rows, split_eval
+from llmtrain.data.tokens import bos_ids, chat_ids, text_ids
 
 PROMPT_FORMATS = ("prompt", "prompt_response", "messages")
 REFERENCE = "response"  # the column name a reference answer travels under, whatever the format called it
@@ -44,11 +44,11 @@ def split_row(row: dict, fmt: str) -> tuple[object, dict]:
 
 def encode_prompt(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
-        return _bos(tokenizer) + _token_ids(tokenizer, prompt)
+        return bos_ids(tokenizer) + text_ids(tokenizer, prompt)
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataConfigError("a prompt given as messages needs a chat template, but model.tokenizer has none; "
                               "give prompts as strings or use a tokenizer with a chat template")
-    return _chat_ids(tokenizer, list(prompt), add_generation_prompt=True)
+    return chat_ids(tokenizer, list(prompt), add_generation_prompt=True)
 
 
 class PromptExamples(torch.utils.data.Dataset):
