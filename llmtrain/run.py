@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.backends.spec import sp_of
+from llmtrain.backends.spec import sp_of, tp_of
 from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.data.sequence_shard import sequence_preparer
@@ -200,7 +200,7 @@ def fused_head(cfg: DictConfig, ctx: DistContext) -> tuple[int | None, str]:
         if ctx.is_main:
             log.info("LM head and loss: full (tokens, V) logits (model.fused_loss=off)")
         return None, "chunked"
-    kernel, why = head_kernel(m.fused_loss, ctx.device.type, getattr(cfg.backend, "tp", 1) or 1, cfg.stage.name,
+    kernel, why = head_kernel(m.fused_loss, ctx.device.type, tp_of(cfg.backend), cfg.stage.name,
                               stage_spec(cfg.stage.name).lm_loss_sum, liger_installed())
     if ctx.is_main:
         chunk = m.loss_chunk_tokens or "V- and h-sized"

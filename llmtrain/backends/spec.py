@@ -24,6 +24,11 @@ def sp_of(backend: Any) -> int:
     return int(getattr(backend, "sp", 1) or 1)
 
 
+def tp_of(backend: Any) -> int:
+    """backend.tp (tensor parallelism); 1 for a backend (or a test's namespace) without the field."""
+    return int(getattr(backend, "tp", 1) or 1)
+
+
 def pp_of(backend: Any) -> int:
     """backend.pp (pipeline stages); 1 for a backend (or a test's namespace) without the field. Not defaulted past
     the field: a pp of 0 stays 0 for the pipeline checks to refuse."""
