@@ -119,10 +119,11 @@ def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int,
 
 def draw(model, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, pad_token_id: int,
          eos_ids: list[int]) -> torch.Tensor:
-    """(b, P) prompts -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else `generate`."""
+    """(b, P) prompts -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else generate."""
     if sampler.supports(model, settings.use_cache):
-        return sampler.sample(model, ids, mask, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                              top_k=settings.top_k, top_p=settings.top_p, pad_token_id=pad_token_id, eos_ids=eos_ids)
+        return sampler.sample(model, ids, mask, max_new_tokens=settings.max_new_tokens,
+                              temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                              pad_token_id=pad_token_id, eos_ids=eos_ids)
     with neutral_generation_config(model):
         return model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
                               generation_config=generation_config(settings, pad_token_id, eos_ids))
