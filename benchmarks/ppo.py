@@ -1,8 +1,12 @@
-"""--suite ppo: llmtrain GRPO against TRL's GRPOTrainer (HF generate, no vLLM), and llmtrain PPO's time split
-with and without the KV cache.
+"""--suite ppo: llmtrain GRPO against TRL's GRPOTrainer and llmtrain RLOO against TRL's RLOOTrainer (HF generate,
+no vLLM), and llmtrain PPO's time split with and without the KV cache.
 
-    python benchmarks/throughput.py --suite ppo [--rounds 3] [--warmup 2] [--steps 10]
-    python benchmarks/ppo.py trl-grpo --work DIR --model DIR --steps N --warmup W --out R.json
+    python benchmarks/throughput.py --suite ppo [--rounds 3] [--warmup 2] [--steps 10] [--baseline REV]
+    python benchmarks/ppo.py trl-grpo|trl-rloo --model DIR --prompts F --steps N --warmup W --out R.json
+
+`--baseline REV` adds `llmtrain grpo @REV` and `llmtrain rloo @REV`: the same worker and overrides with
+PYTHONPATH on a git worktree of REV (checked: each run reports which llmtrain it imported), in the same rounds, so
+llmtrain before and after a change are measured side by side.
 
 The second line is one TRL run, as the suite starts it (the llmtrain runs go through llmtrain_worker.py,
 i.e. `llmtrain.__main__.main`). Like for like, every contender in its own process, one torch thread, fp32 CPU:
@@ -22,10 +26,24 @@ i.e. `llmtrain.__main__.main`). Like for like, every contender in its own proces
   one batch in tests/unit/test_ppo_losses.py::test_clipped_loss_plus_k3_token_mean_equals_trl_dapo);
 - the same reward: llmtrain.rewards.reversal.score, plus MISSING_EOS_PENALTY for a response without EOS
   (llmtrain: ppo.reward.missing_eos_penalty; TRL: added in the adapter from completion_ids).
+RLOO (llmtrain: the GRPO settings above plus ppo.advantage=rloo, ppo.kl.estimator=k1, ppo.kl.in_reward=true,
+ppo.whiten_advantages=false, ppo.loss_agg=seq_mean_token_sum; TRL: RLOOConfig with the same rollout, batch,
+beta = KL_COEF, epsilon, num_iterations=1, normalize_advantages=False, its default):
+- the same advantages: the score (plus the missing-EOS penalty) minus beta * sum of the k1 KL (old - ref log-probs)
+  over the response, minus the leave-one-out mean of the other GROUP - 1 samples' returns; neither normalises;
+- both run the same forwards: rollout, the actor's and the reference's log-probs in the experience (the KL is in
+  the reward, so llmtrain cannot take the old log-probs from the update), one forward+backward per micro-batch;
+- where they differ: TRL's ratio is per sequence (exp of the summed log-ratio) and its loss the mean over sequences
+  of -min(ratio * A, clip(ratio) * A); llmtrain's ratio is per token and its loss (seq_mean_token_sum) the mean over
+  sequences of the summed per-token clipped terms. With one optimizer step per rollout both ratios are exactly 1,
+  no clipping applies, and the gradients are the same, mean over sequences of -A * sum_t grad log p_t (the loss
+  values differ: TRL's is -mean(A), llmtrain's -mean(A * length)). With several steps per rollout they would differ.
+  TRL also handles unscorable completions (NaN rewards), which this reward never produces.
 Figures: steps/s and generated tokens/s (tokens through the first EOS, the EOS counted, as llmtrain's
 response_len and TRL's completion_mask count them) over wall clock of whole iterations after the warm-up;
+steps per CPU-second (process CPU time over the same window: the steadier figure on a shared machine);
 each contender's time split per iteration (generation / experience / update: llmtrain logs its own;
-TRL's is measured here by timing GRPOTrainer._generate_single_turn and _generate_and_score_completions).
+TRL's is measured here by timing the trainer's _generate_single_turn and _generate_and_score_completions).
 """
 
 from __future__ import annotations
