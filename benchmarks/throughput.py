@@ -147,10 +147,14 @@ def llmtrain_contender(args, work: Path, tmp: Path, packed: bool, extra: tuple[s
 
 
 def selected(contenders: dict, only: list[str] | None) -> dict:
-    """--only: the contenders whose name contains one of the words."""
+    """--only: the contenders named by one of the words, or whose name contains a word that names no contender
+    ("llmtrain grpo" is that contender alone, "grpo" every contender with grpo in its name)."""
     if not only:
         return contenders
-    return {k: v for k, v in contenders.items() if any(o.lower() in k.lower() for o in only)}
+    names = {k.lower() for k in contenders}
+    exact = {o.lower() for o in only} & names
+    return {k: v for k, v in contenders.items()
+            if k.lower() in exact or any(o.lower() in k.lower() for o in only if o.lower() not in exact)}
 
 
 def run_rounds(contenders: dict, args, tmp: Path, env: dict, suite_timeout: float,
@@ -260,7 +264,7 @@ def suite_compare(args, work: Path, tmp: Path, info: dict) -> dict:
     """llmtrain at --baseline and llmtrain of this working tree, alternately, unpacked and packed, on
     cpu-small's model, data and batch. The baseline runs the same worker with PYTHONPATH on a worktree of
     the baseline commit, so `import llmtrain` there is the old package (checked on every run)."""
-    rev = args.baseline
+    rev = args.baseline = args.baseline or "eff726e"
     base_dir = tmp / f"llmtrain-{rev}"
     env = bench_env(args.threads)
     env.pop("PYTHONPATH", None)  # the working tree's llmtrain: the editable install of this checkout
@@ -366,9 +370,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo", "lora"],
                         required=True)
-    parser.add_argument("--baseline", default="eff726e",
+    parser.add_argument("--baseline",
                         help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
-                             "last commit before per-sample attention, best-fit packing and the DDP changes)")
+                             "last commit before per-sample attention, best-fit packing and the DDP changes); ppo: "
+                             "also run llmtrain grpo and rloo at this commit (default: not)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --suite backends")
     parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small, compare, gpu), 1 (backends)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")

@@ -1,4 +1,5 @@
-"""Rollout: the actor samples responses to a rank's prompts with HF `generate` (KV cache on).
+"""Rollout: the actor samples responses to a rank's prompts (KV cache on): with sampler.py's lean loop, which draws
+the tokens HF `generate` draws, or with `generate` itself where the loop does not apply.
 
 Layout of every sequence: the prompt left-padded to one width P (the same on every rank, so experience
 can be gathered across ranks), then the response right-padded to one width A. The action mask marks
@@ -21,6 +22,7 @@ from transformers import GenerationConfig
 
 from llmtrain.data.prompts import PromptBatch
 from llmtrain.parallel import all_reduce_max
+from llmtrain.stages.ppo import sampler
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,18 @@ def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int,
     return F.pad(ids, (extra, 0), value=pad_token_id), F.pad(mask, (extra, 0), value=0)
 
 
+def draw(model, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, pad_token_id: int,
+         eos_ids: list[int]) -> torch.Tensor:
+    """(b, P) prompts -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else generate."""
+    if sampler.supports(model, settings.use_cache):
+        return sampler.sample(model, ids, mask, max_new_tokens=settings.max_new_tokens,
+                              temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                              pad_token_id=pad_token_id, eos_ids=eos_ids)
+    with neutral_generation_config(model):
+        return model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
+                              generation_config=generation_config(settings, pad_token_id, eos_ids))
+
+
 def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int, eos_ids: list[int],
              seed: int, group=None) -> Rollout:
     """Sample `n_samples_per_prompt` responses per prompt (a prompt's samples consecutive: a GRPO group).
@@ -130,11 +144,10 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
     with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
         gather_s = time.perf_counter() - start
         torch.manual_seed(seed)
-        with actor.autocast(), neutral_generation_config(model):
-            config = generation_config(settings, pad_token_id, eos_ids)
+        with actor.autocast():
             size = settings.batch_size or ids.shape[0]
-            outs = [model.generate(input_ids=ids[i:i + size], attention_mask=mask[i:i + size], synced_gpus=False,
-                                   generation_config=config) for i in range(0, ids.shape[0], size)]
+            outs = [draw(model, ids[i:i + size], mask[i:i + size], settings, pad_token_id, eos_ids)
+                    for i in range(0, ids.shape[0], size)]
     longest = max(out.shape[1] for out in outs)  # a shorter call's rows all ended: pad after their EOS
     out = torch.cat([F.pad(out, (0, longest - out.shape[1]), value=pad_token_id) for out in outs])
     responses = out[:, width:]  # (B, a): this rank's longest response sets a
