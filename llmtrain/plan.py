@@ -53,6 +53,7 @@ from llmtrain.plan_pp import (
     pipeline_lines,
     pipeline_p2p,
     rank_state_bytes,
+    stage_head,
 )
 from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
 from llmtrain.stages.registry import stage_roles, stage_spec
@@ -457,10 +458,11 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
              "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
     micro = st.micro * st.rows_per_sample  # rows (a pair is 2)
-    stage_bytes = stage_activations(st, layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden))
+    run_layout = layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)
+    stage_bytes = stage_activations(st, run_layout)
     pipeline = pipeline_layout(cfg.backend, st.facts, accum=st.accum, seq=st.seq)
     lines += pipeline_lines(cfg.backend, st.facts, micro=micro, accum=st.accum, seq=st.seq, precision=st.precision,
-                            dp=data_parallel_size(cfg.backend, world),
+                            dp=data_parallel_size(cfg.backend, world), tp=run_layout.tp, head=pipelined_head(st),
                             rank_activations=lambda rank: stage_bytes.rank(pipeline, rank, micro, st.seq))
     if st.rl is not None:
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
@@ -583,6 +585,12 @@ def stage_activations(st: Setting, layout: Layout) -> StageActivations:
                             st.scores, lambda rows, seq: head_bytes(st, rows, seq, vocab_split(st, layout))[0])
 
 
+def pipelined_head(st: Setting) -> int:
+    """The last stage's head parameters for the role the pipeline runs (pipeline_checks: the one trainable role)."""
+    role = next((name for name, trainable in st.roles.items() if trainable), None)
+    return stage_head(st.facts, role in st.scalar_heads)
+
+
 def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[PipelineRankFigures, ...]:
     """Per pp rank, what the live cost compares with: its model states and activations in flight (() without pp)."""
     if pipeline is None:
@@ -592,7 +600,9 @@ def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[Pi
     def activations(rank: int):
         return lambda rows, seq: count.rank(pipeline, rank, rows, seq)
 
-    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, dp), activations(rank),
+    head = pipelined_head(st)
+    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, head=head, dp=dp, tp=layout.tp),
+                                     activations(rank),
                                      len(in_flight_stages(pipeline, rank))) for rank in range(pipeline.pp))
 
 

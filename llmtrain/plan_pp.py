@@ -12,8 +12,8 @@ The formulas (the seeds' pages on GPipe and 1F1B; torch's schedules):
   isend (metrics/comm.py) next to `pipeline_p2p`, the busiest pp rank's figure (the micro-batch index, b int64s, also
   travels forward: not in the plan, b·s·h·elem / (8·b) = s·h·elem/8 times smaller).
 - model states: the rank's parameters (its blocks, the embedding on stage 0, norm and head on the last; a tied head is
-  a copy of the embedding there), fp32 with their gradient and Adam's two moments, sharded over dp by FSDP2:
-  16·params/dp bytes.
+  a copy of the embedding there, a reward model's score (1, h)), fp32 with their gradient and Adam's two moments,
+  the blocks' TP-planned share over tp, sharded over dp by FSDP2: 16·params/dp bytes.
 - activations at the peak (`rank_activation_bytes`, what the live cost measures: metrics/live.InFlightMeter): the
   bytes autograd keeps for backward summed over the micro-batch chunks in flight at once, each chunk its stage's
   bytes (its blocks; the last stage adds the final norm and the head's held bytes); the chunks in flight are the first
@@ -97,19 +97,27 @@ def pipeline_layout(backend: Any, facts: Any, *, accum: int, seq: int) -> Pipeli
     return PipelineLayout(pp, v, backend.pp_schedule, accum, tuple(split_blocks(facts.layers, pp * v, costs)))
 
 
-def rank_params(layout: PipelineLayout, facts: Any, rank: int) -> int:
-    """Parameters pp rank `rank` holds: its blocks, the embedding on stage 0, final norm and head on the last (a tied
-    head is its own copy of the embedding there: backends/pipeline_engine sums the two copies' gradients)."""
+def rank_params(layout: PipelineLayout, facts: Any, rank: int, head: int) -> int:
+    """Parameters pp rank `rank` holds: its blocks, the embedding on stage 0, final norm and `head` on the last (the LM
+    head; a tied one is its own copy of the embedding there, backends/pipeline_engine sums the two copies' gradients;
+    a reward model's score is (1, h): `stage_head`)."""
     mine = layout.stages_of(rank)
     blocks = sum(len(layout.bounds[s]) for s in mine)
     last = layout.stages - 1 in mine
-    return blocks * facts.block + (facts.embed if 0 in mine else 0) + \
-        ((facts.head or facts.embed) + facts.hidden if last else 0)
+    return blocks * facts.block + (facts.embed if 0 in mine else 0) + (head + facts.hidden if last else 0)
 
 
-def rank_state_bytes(layout: PipelineLayout, facts: Any, rank: int, dp: int) -> float:
-    """Model states of pp rank `rank`: fp32 weights, gradients and Adam's two moments, FSDP2-sharded over dp."""
-    return 16 * rank_params(layout, facts, rank) / dp
+def stage_head(facts: Any, scalar: bool) -> int:
+    """The last stage's head parameters: a scalar score (1, h), or the LM head (tied: a copy of the embedding)."""
+    return facts.hidden if scalar else facts.head or facts.embed
+
+
+def rank_state_bytes(layout: PipelineLayout, facts: Any, rank: int, *, head: int, dp: int, tp: int = 1) -> float:
+    """Model states of pp rank `rank`: fp32 weights, gradients and Adam's two moments (16 bytes a parameter), the
+    blocks' TP-planned share split over tp (the head stays whole under pp), all of it FSDP2-sharded over dp."""
+    blocks = sum(len(layout.bounds[s]) for s in layout.stages_of(rank))
+    split = blocks * facts.tp_params / facts.layers * (1 - 1 / tp)
+    return 16 * (rank_params(layout, facts, rank, head) - split) / dp
 
 
 def forward_order(layout: PipelineLayout, rank: int) -> list[int]:
@@ -136,8 +144,8 @@ def rank_activation_bytes(layout: PipelineLayout, rank: int, chunk_bytes: Callab
     return sum(chunk_bytes(stage) for stage in in_flight_stages(layout, rank))
 
 
-def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int, dp: int, precision: str,
-                   rank_activations: Callable[[int], float]) -> list[str]:
+def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int, dp: int, tp: int, head: int,
+                   precision: str, rank_activations: Callable[[int], float]) -> list[str]:
     """The planner's lines for backend.pp > 1 (empty otherwise); rank_activations(rank): that rank's activations at
     its peak at the plan's micro-batch shape (plan.pipeline_activations: the figure the live cost compares with)."""
     layout = pipeline_layout(backend, facts, accum=accum, seq=seq)
@@ -153,8 +161,10 @@ def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int
         pieces = "; ".join(f"stage {s}: {describe_stage(s, stages, bounds[s])}" for s in layout.stages_of(rank))
         chunks = len(in_flight_stages(layout, rank))
         activations = rank_activations(rank)
-        lines.append(f"pp rank {rank}: {pieces}: {rank_params(layout, facts, rank) / 1e6:,.1f}M parameters, model "
-                     f"states {rank_state_bytes(layout, facts, rank, dp) / GIB:.3g} GiB (fp32 + Adam, /dp {dp}), "
+        states = rank_state_bytes(layout, facts, rank, head=head, dp=dp, tp=tp)
+        lines.append(f"pp rank {rank}: {pieces}: {rank_params(layout, facts, rank, head) / 1e6:,.1f}M parameters, "
+                     f"model states {states / GIB:.3g} GiB (fp32 + Adam, {f'blocks /tp {tp}, ' if tp > 1 else ''}"
+                     f"/dp {dp}), "
                      f"activations {chunks} micro-batch chunk(s) in flight ≈ {activations / GIB:.3g} GiB, p2p "
                      f"{sends[rank] * boundary / 1e9:.3g} GB sent per step")
     return lines

@@ -122,10 +122,13 @@ class InFlightMeter:
             self.tokens += self.shape[0] * self.shape[1]
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.device.type == "meta" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or _weight(tensor):
+        if tensor.device.type == "meta" or _weight(tensor):
+            return tensor
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor (TP in the stages): its shard is held here
+        if type(local) not in (torch.Tensor, torch.nn.Parameter):
             return tensor
         try:
-            storage = tensor.untyped_storage()
+            storage = local.untyped_storage()
             pointer = storage.data_ptr()
         except RuntimeError:
             return tensor

@@ -15,6 +15,7 @@ from llmtrain.plan_pp import (
     in_flight_stages,
     rank_params,
     rank_state_bytes,
+    stage_head,
 )
 
 # ---- the meter -----------------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def test_in_flight_meter_counts_a_shared_storage_once_and_ignores_no_grad():
 # ---- the planner's per-pp-rank figures -----------------------------------------------------------------------------
 
 FACTS = SimpleNamespace(layers=4, hidden=16, heads=2, kv_heads=2, intermediate=32, block=100, embed=1000, head=1000,
-                        softcapping=False)
+                        tp_params=0, softcapping=False)
 
 
 def _layout(schedule: str, pp: int = 2, virtual: int = 1, microbatches: int = 4) -> PipelineLayout:
@@ -87,12 +88,17 @@ def test_forward_order_and_the_chunks_in_flight():
 
 
 def test_each_pp_ranks_parameters_and_states():
-    """Rank 0: its blocks + the embedding; the last rank: its blocks + final norm (h) + head; tied: a copy of the
-    embedding there. States: 16 bytes a parameter (fp32, grad, Adam's two), over dp."""
+    """Rank 0: its blocks + the embedding; the last rank: its blocks + final norm (h) + head (tied: a copy of the
+    embedding; a reward model's score: h). States: 16 bytes a parameter (fp32, grad, Adam's two), the blocks'
+    TP-planned share over tp, all over dp."""
     layout = _layout("1f1b")
-    assert [rank_params(layout, FACTS, r) for r in range(2)] == [2 * 100 + 1000, 2 * 100 + 1000 + 16]
-    assert rank_params(layout, SimpleNamespace(**{**vars(FACTS), "head": 0}), 1) == 2 * 100 + 1000 + 16
-    assert rank_state_bytes(layout, FACTS, 1, dp=2) == 16 * 1216 / 2
+    head = stage_head(FACTS, scalar=False)
+    assert [rank_params(layout, FACTS, r, head) for r in range(2)] == [2 * 100 + 1000, 2 * 100 + 1000 + 16]
+    assert stage_head(SimpleNamespace(**{**vars(FACTS), "head": 0}), False) == 1000 and stage_head(FACTS, True) == 16
+    assert rank_params(layout, FACTS, 1, stage_head(FACTS, True)) == 2 * 100 + 16 + 16
+    assert rank_state_bytes(layout, FACTS, 1, head=head, dp=2) == 16 * 1216 / 2
+    tp_facts = SimpleNamespace(**{**vars(FACTS), "tp_params": 4 * 80})  # 80 of each block's 100 split by the TP plan
+    assert rank_state_bytes(layout, tp_facts, 0, head=head, dp=1, tp=2) == 16 * (2 * (20 + 40) + 1000)
 
 
 def test_stage_activations_add_the_head_on_the_last_stage_only_and_sum_the_chunks_in_flight():
