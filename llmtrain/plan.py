@@ -391,7 +391,7 @@ def header(st: Setting) -> list[str]:
                                                  softcapping=f.softcapping)
         count = (f"s·b·(10h + 4i + 2) elements + b·a·s²·{eager_score_bytes(elem, f.softcapping)} bytes of eager "
                  f"scores{' (softcapped)' if f.softcapping else ''}" if st.scores
-                 else "s·b·(8h + 2kv + 4i + a + 2) elements")
+                 else "s·b·(8h + 2kv + 4i + a + 2) elements (tp t: s·b·(6h + 2 + (2h + 2kv + 4i + a)/t))")
         korthikanti = "34·b·s·h" + (" + 5·b·a·s²" if st.scores else "")
         lines.append(f"this model's gated blocks (RMSNorm, GQA, SwiGLU) keep {count}: "
                      f"{_size(gated)} GiB per layer ({gated / per_layer:.2f}× {korthikanti}), used in the table")
