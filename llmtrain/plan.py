@@ -42,11 +42,19 @@ from llmtrain.metrics.cost import (
 )
 from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
-from llmtrain.metrics.live import PlanFigures
+from llmtrain.metrics.live import PipelineRankFigures, PlanFigures
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_model_state_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable, model_facts
 from llmtrain.models.fused_head import default_chunk_tokens
-from llmtrain.plan_pp import pipeline_lines, pipeline_p2p
+from llmtrain.plan_pp import (
+    StageActivations,
+    in_flight_stages,
+    pipeline_layout,
+    pipeline_lines,
+    pipeline_p2p,
+    rank_state_bytes,
+    stage_head,
+)
 from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
 from llmtrain.stages.registry import stage_roles, stage_spec
 from llmtrain.validation import data_parallel_size, validate
@@ -383,7 +391,7 @@ def header(st: Setting) -> list[str]:
                                                  softcapping=f.softcapping)
         count = (f"s·b·(10h + 4i + 2) elements + b·a·s²·{eager_score_bytes(elem, f.softcapping)} bytes of eager "
                  f"scores{' (softcapped)' if f.softcapping else ''}" if st.scores
-                 else "s·b·(8h + 2kv + 4i + a + 2) elements")
+                 else "s·b·(8h + 2kv + 4i + a + 2) elements (tp t: s·b·(6h + 2 + (2h + 2kv + 4i + a)/t))")
         korthikanti = "34·b·s·h" + (" + 5·b·a·s²" if st.scores else "")
         lines.append(f"this model's gated blocks (RMSNorm, GQA, SwiGLU) keep {count}: "
                      f"{_size(gated)} GiB per layer ({gated / per_layer:.2f}× {korthikanti}), used in the table")
@@ -449,9 +457,13 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
              f"{st.mfu:g} of peak, data-parallel traffic overlapped, TP's not; formula: the ZeRO paper's model states; "
              "weights..logits: bytes held, total: on the device, off-device: offloaded to host/NVMe)",
              table(rows, gpu), *notes]
-    lines += pipeline_lines(cfg.backend, st.facts, micro=st.micro * st.rows_per_sample, accum=st.accum, seq=st.seq,
-                            precision=st.precision, dp=data_parallel_size(cfg.backend, world),
-                            checkpointing=st.checkpointing)  # micro: rows (a pair is 2)
+    micro = st.micro * st.rows_per_sample  # rows (a pair is 2)
+    run_layout = layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)
+    stage_bytes = stage_activations(st, run_layout)
+    pipeline = pipeline_layout(cfg.backend, st.facts, accum=st.accum, seq=st.seq)
+    lines += pipeline_lines(cfg.backend, st.facts, micro=micro, accum=st.accum, seq=st.seq, precision=st.precision,
+                            dp=data_parallel_size(cfg.backend, world), tp=run_layout.tp, head=pipelined_head(st),
+                            rank_activations=lambda rank: stage_bytes.rank(pipeline, rank, micro, st.seq))
     if st.rl is not None:
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "
@@ -562,12 +574,42 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
     text = "\n".join(lines + describe(cfg, world, gpu, precision, facts))
     p2p = pipeline_p2p(cfg.backend, rows=st.micro * st.rows_per_sample, accum=st.accum, seq=st.seq,
                        hidden=st.facts.hidden, precision=st.precision)
-    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision, p2p), setting=st, row=row, gpu=gpu)
+    pipeline = pipeline_figures(st, layout, pipeline_layout(cfg.backend, facts, accum=st.accum, seq=st.seq), dp)
+    return RunPlan(text=text, figures=plan_figures(st, row, gpu, precision, p2p, pipeline), setting=st, row=row,
+                   gpu=gpu)
 
 
-def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Collective] = ()) -> PlanFigures:
+def stage_activations(st: Setting, layout: Layout) -> StageActivations:
+    """The pipeline's per-stage activation count for this setting on this layout (tp splits the blocks)."""
+    return StageActivations(st.facts, st.checkpointing, 2 if st.precision in ("bf16", "fp16") else 4, layout.tp,
+                            st.scores, lambda rows, seq: head_bytes(st, rows, seq, vocab_split(st, layout))[0])
+
+
+def pipelined_head(st: Setting) -> int:
+    """The last stage's head parameters for the role the pipeline runs (pipeline_checks: the one trainable role)."""
+    role = next((name for name, trainable in st.roles.items() if trainable), None)
+    return stage_head(st.facts, role in st.scalar_heads)
+
+
+def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[PipelineRankFigures, ...]:
+    """Per pp rank, what the live cost compares with: its model states and activations in flight (() without pp)."""
+    if pipeline is None:
+        return ()
+    count = stage_activations(st, layout)
+
+    def activations(rank: int):
+        return lambda rows, seq: count.rank(pipeline, rank, rows, seq)
+
+    head = pipelined_head(st)
+    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, head=head, dp=dp, tp=layout.tp),
+                                     activations(rank),
+                                     len(in_flight_stages(pipeline, rank))) for rank in range(pipeline.pp))
+
+
+def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Collective] = (),
+                 pipeline: tuple[PipelineRankFigures, ...] = ()) -> PlanFigures:
     """The planner's row for this run's backend, world and device, as the live cost compares with it (p2p: the
-    pipeline's sends, plan_pp.pipeline_p2p)."""
+    pipeline's sends, plan_pp.pipeline_p2p; pipeline: its per-pp-rank figures)."""
     facts, elem = st.facts, 2 if precision in ("bf16", "fp16") else 4
 
     def activations(rows: int, seq: int) -> float:
@@ -585,7 +627,7 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Coll
                        gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
                        flops_per_token=model, hardware_flops_per_token=model + recompute,
                        peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
-                       comm=planned([*row.comm, *p2p]))
+                       comm=planned([*row.comm, *p2p]), pipeline=pipeline)
 
 
 # ---- the fit check: a run whose plan does not fit stops before anything loads (run.py) ---------------------------

@@ -115,7 +115,9 @@ def gated_activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, intermed
     weighted output (3h) and 1/rms (1) each — the input of the second is the attention residual, of the first the
     block input; attention keeps rotated q (h), k and v (2·kv, GQA unrepeated), its output (h, o_proj's input too)
     and a logsumexp per head (a); the MLP keeps gate, up, silu(gate) and their product (4i).
-    → s·b·(8h + 2kv + 4i/t + a + 2) elements (TP splits the MLP and heads), × elem bytes. GPT's 34·s·b·h (16-bit)
+    → s·b·(6h + 2 + (2h + 2kv + 4i + a)/t) elements (TP splits the heads, so q, k, v, the attention output and
+    the logsumexp, and the MLP; the norms and the replicated input of q/k/v stay whole: measured under pp 2 × tp 2,
+    metrics/live.InFlightMeter, within −5 % .. +1 %), × elem bytes. GPT's 34·s·b·h (16-bit)
     assumes a 4h GELU MLP and dropout masks; for the tiny Llama (h 128, i 384) this count is 1.27× it, and matches
     the measured bytes to 0.01 %.
 
@@ -123,7 +125,7 @@ def gated_activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, intermed
     scores, b·a·s²·eager_score_bytes(elem, softcapping) bytes (t splits the heads); k and v are kept repeated to every
     head (repeat_kv copies them before the matmuls: 2·a·(h/a) for 2kv) and there is no logsumexp (a)."""
     kv = (a if scores else kv_heads) * (h // a)
-    per_token = 8 * h + 2 * kv + (4 * intermediate + (0 if scores else a)) / tp + 2
+    per_token = 6 * h + 2 + (2 * h + 2 * kv + 4 * intermediate + (0 if scores else a)) / tp
     kept = b * a * s * s * eager_score_bytes(elem, softcapping) / tp if scores else 0.0
     return s * b * per_token * elem + kept
 

@@ -10,13 +10,23 @@ Flat keys for metrics.jsonl (`memory_r<rank>_activations` next to `memory_r<rank
 rank's shape `memory_r<rank>_activation_rows` × `_seq`, `memory_r<rank>_rss_peak`, `plan_memory_state`,
 `plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`); W&B shows them under
 memory/ and perf/. After `steps` steps every hook is removed: nothing is measured or logged later.
+
+Under a pipeline (backend.pp > 1) every figure is the rank's own: the meter watches the stage modules this rank runs
+(every virtual stage), which the schedule calls (the rank's whole model is never called), and `activations` is the
+peak of the bytes saved for backward that are alive at the same time over the micro-batches in flight
+(`InFlightMeter`: GPipe holds all M forwards, 1F1B about P − rank); the plan's figure is the same quantity
+(plan_pp.StageActivations.rank: the chunks in flight at the rank's peak, the head on the last stage only), and the
+plan's model states are the rank's stages' (plan_pp.rank_state_bytes). Extra keys there: `memory_r<rank>_in_flight`
+(micro-batch chunks alive at the measured peak) next to `_plan_in_flight`, and `memory_r<rank>_plan_state`;
+`plan_memory_state` is rank 0's. `activation_rows` × `_seq` is the micro-batch's shape (b, W).
 """
 
 from __future__ import annotations
 
 import contextlib
 import resource
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,6 +88,94 @@ class SavedTensorMeter:
             self._new_forward()
 
 
+class _Held:
+    """A saved tensor as autograd holds it (InFlightMeter's pack hook): its bytes count until autograd lets it go."""
+    __slots__ = ("meter", "pointer", "forward", "tensor")
+
+    def __init__(self, meter, pointer: int, forward: int, tensor: torch.Tensor):
+        self.meter, self.pointer, self.forward, self.tensor = meter, pointer, forward, tensor
+
+    def __del__(self):
+        self.meter._release(self.pointer, self.forward)
+
+
+class InFlightMeter:
+    """Under a pipeline: the bytes autograd saves for backward that are alive at the same time on this rank, over
+    every micro-batch in flight (each storage once, weights not counted); a saved tensor counts from its forward's
+    pack until autograd frees it (after its node's backward). `peak` is the largest such sum in a step, `in_flight`
+    the forwards (micro-batch chunks) holding saved tensors at that moment, `shape` the micro-batch's (b, W)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules, self.handles = modules, []
+        self.current, self.peak, self.in_flight, self.shape, self.tokens = 0, 0, 0, (0, 0), 0
+        self._storages: dict[int, list[int]] = {}  # storage pointer -> [saved tensors holding it, bytes]
+        self._forwards: dict[int, int] = {}  # forward number -> its saved tensors still held
+        self._forward, self._lock = 0, threading.Lock()  # backward may free on autograd's device threads
+
+    def _pre_forward(self, module, args) -> None:
+        """A stage's forward of one micro-batch: x (b, W) token ids on the first stage, else (b, W, h) hidden states."""
+        if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return
+        self._forward += 1
+        self.shape = tuple(args[0].shape[:2])
+        if module is self.modules[0]:  # each micro-batch once, at the rank's first stage
+            self.tokens += self.shape[0] * self.shape[1]
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.device.type == "meta" or _weight(tensor):
+            return tensor
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor (TP in the stages): its shard is held here
+        if type(local) not in (torch.Tensor, torch.nn.Parameter):
+            return tensor
+        try:
+            storage = local.untyped_storage()
+            pointer = storage.data_ptr()
+        except RuntimeError:
+            return tensor
+        with self._lock:
+            entry = self._storages.setdefault(pointer, [0, storage.nbytes()])
+            if entry[0] == 0:
+                self.current += entry[1]
+            entry[0] += 1
+            self._forwards[self._forward] = self._forwards.get(self._forward, 0) + 1
+            if self.current > self.peak:
+                self.peak, self.in_flight = self.current, len(self._forwards)
+        return _Held(self, pointer, self._forward, tensor)
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, pointer: int, forward: int) -> None:
+        with self._lock:
+            entry = self._storages[pointer]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self._storages[pointer]
+            self._forwards[forward] -= 1
+            if self._forwards[forward] == 0:
+                del self._forwards[forward]
+
+    @contextlib.contextmanager
+    def watch(self):
+        self.handles = [m.register_forward_pre_hook(self._pre_forward) for m in self.modules]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            for handle in self.handles:
+                handle.remove()
+
+
+@dataclass(frozen=True)
+class PipelineRankFigures:
+    """The planner's figures for one pp rank (plan_pp.rank_state_bytes, plan_pp.StageActivations.rank)."""
+    state_bytes: float  # its stages' model states
+    activations: object  # (rows, seq) -> bytes of its micro-batch chunks in flight at its peak
+    in_flight: int  # micro-batch chunks in flight at its peak (plan_pp.in_flight)
+
+
 @dataclass(frozen=True)
 class PlanFigures:
     """The planner's per-rank numbers for this run (llmtrain/plan.py's row) and how to size activations."""
@@ -89,14 +187,22 @@ class PlanFigures:
     hardware_flops_per_token: float  # + one more forward of the blocks under activation checkpointing
     peak_flops: float | None  # the device's dense 16-bit peak (plan.gpu / plan.peak_tflops); None: no MFU
     comm: dict  # `<kind>_payload` / `<kind>_wire` of one step (metrics/cost.py `communication`)
+    pipeline: tuple[PipelineRankFigures, ...] = ()  # backend.pp > 1: per pp rank
+
+    def for_pp_rank(self, rank: int) -> PlanFigures:
+        """This pp rank's figures: its model states and its activations in flight in place of the whole model's."""
+        mine = self.pipeline[rank]
+        return replace(self, state_bytes=mine.state_bytes, activations=mine.activations, pipeline=(mine,))
 
 
 class LiveCost:
     """The trainer's hook: `with live.step(n):` around a step's work, then `live.record(n, step_time)`."""
 
-    def __init__(self, *, modules: list[torch.nn.Module], plan: PlanFigures, ctx, steps: int = 2):
-        self.modules, self.plan, self.ctx, self.steps = modules, plan, ctx, steps
-        self.meter: SavedTensorMeter | None = None
+    def __init__(self, *, modules: list[torch.nn.Module], plan: PlanFigures, ctx, steps: int = 2,
+                 pipelined: bool = False):
+        """pipelined: `modules` are this rank's pipeline stages and `plan` its pp rank's (PlanFigures.for_pp_rank)."""
+        self.modules, self.plan, self.ctx, self.steps, self.pipelined = modules, plan, ctx, steps, pipelined
+        self.meter: SavedTensorMeter | InFlightMeter | None = None
         self.counter: CommCounter | None = None
         for module in modules:
             route_ddp_buckets(module)
@@ -111,7 +217,8 @@ class LiveCost:
         if not self.active(step):
             yield
             return
-        self.meter, self.counter = SavedTensorMeter(self.modules), CommCounter()
+        self.meter = (InFlightMeter if self.pipelined else SavedTensorMeter)(self.modules)
+        self.counter = CommCounter()
         with self.meter.watch(), self.counter.counting():
             yield
 
@@ -125,8 +232,12 @@ class LiveCost:
                  "activation_rows": meter.shape[0], "activation_seq": meter.shape[1]}
         if self.ctx.device.type == "cuda":
             local["cuda_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        if self.pipelined:
+            local.update({"in_flight": meter.in_flight, "plan_in_flight": self.plan.pipeline[0].in_flight,
+                          "plan_state": self.plan.state_bytes})
         out = gather_per_rank(local, self.ctx.world_size, self.ctx.rank, self.ctx.device)
-        out.update({"plan_memory_state": self.plan.state_bytes, "plan_memory_gathered": self.plan.gathered_bytes,
+        state = out["memory_r0_plan_state"] if self.pipelined else self.plan.state_bytes
+        out.update({"plan_memory_state": state, "plan_memory_gathered": self.plan.gathered_bytes,
                     "plan_memory_activations": out["memory_r0_plan_activations"]})
         out.update(self._comm(counter))
         if self.plan.peak_flops:  # this rank's trained tokens (with padding) over its own time
@@ -164,5 +275,11 @@ class NoLiveCost:
 
 
 def live_cost(ctx, plan: PlanFigures, engines: dict, roles: list[str], steps: int = 2) -> LiveCost:
-    """The run's LiveCost: the trainable roles' modules watched against the plan's figures (computed once per run)."""
+    """The run's LiveCost: the trainable roles' modules watched against the plan's figures (computed once per run);
+    under a pipeline, the stage modules this rank runs against its pp rank's figures."""
+    pipelined = [engines[role] for role in roles if getattr(engines[role], "pipelined", False)]
+    if pipelined and plan.pipeline:  # pipeline_checks: one trainable role runs through the stages
+        engine = pipelined[0]
+        return LiveCost(modules=list(engine.parts), plan=plan.for_pp_rank(engine.pp_rank), ctx=ctx, steps=steps,
+                        pipelined=True)
     return LiveCost(modules=[engines[role].module for role in roles], plan=plan, ctx=ctx, steps=steps)
