@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from llmtrain.backends.spec import tp_of
 from llmtrain.losses.lm import IGNORE_INDEX
 
 INSTALL_HINT = "pip install 'llmtrain[liger]'"
@@ -68,7 +67,7 @@ def fused_loss_problems(cfg: Any, device_type: str, lm_loss_sum: bool) -> list[s
     """An explicit model.fused_loss=liger this run cannot honour (validation, before any model loads)."""
     if cfg.model.fused_loss != "liger":
         return []
-    tp = tp_of(cfg.backend)
+    tp = getattr(cfg.backend, "tp", 1) or 1
     return liger_problems(device_type, tp, cfg.stage.name, lm_loss_sum, liger_installed())
 
 

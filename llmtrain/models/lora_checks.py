@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.backends.spec import tp_of
 from llmtrain.config import OUTPUT_LAYERS
 
 PEFT_METHODS = ("none", "lora")
@@ -38,7 +37,7 @@ def peft_problems(peft: Any, backend: Any, adapter_reference_stage: str | None =
                         "policy with adapters "
                         f"disabled (dropout off there), the policy's with peft.dropout={peft.dropout} on: the first "
                         "ratio would not be 1. Set peft.dropout=0")
-    tp = tp_of(backend)
+    tp = getattr(backend, "tp", 1)  # the tensor-parallel degree, on every backend that has one (ParallelDims' name)
     if tp > 1:
         problems.append(f"peft=lora with backend.tp={tp}: the tensor-parallel plan does not map LoRA "
                         f"layers yet; use backend.tp=1 (backend={backend.name})")
