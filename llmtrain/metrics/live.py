@@ -40,6 +40,16 @@ def _weight(tensor: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
+def _live_storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of the storage a saved tensor views; None when it is already freed (FSDP2 reshards the
+    unsharded parameters it views): both meters count each storage once by its pointer."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:
+        return None
+
+
 class SavedTensorMeter:
     """Bytes autograd saves for backward, per forward of the watched modules (each storage once, weights not
     counted); `peak` is the largest forward's, `shape` its input's (rows, sequence)."""
@@ -66,14 +76,13 @@ class SavedTensorMeter:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "meta" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or _weight(tensor):
             return tensor  # DTensors and other subclasses: their local tensors are saved and counted themselves
-        try:
-            storage = tensor.untyped_storage()
-            pointer = storage.data_ptr()
-        except RuntimeError:  # a storage already freed (FSDP2 reshards the unsharded parameters it views)
+        storage = _live_storage(tensor)
+        if storage is None:
             return tensor
+        pointer, nbytes = storage
         if pointer not in self._seen:
             self._seen.add(pointer)
-            self.current += storage.nbytes()
+            self.current += nbytes
         return tensor
 
     @contextlib.contextmanager
@@ -127,13 +136,12 @@ class InFlightMeter:
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor (TP in the stages): its shard is held here
         if type(local) not in (torch.Tensor, torch.nn.Parameter):
             return tensor
-        try:
-            storage = local.untyped_storage()
-            pointer = storage.data_ptr()
-        except RuntimeError:
+        storage = _live_storage(local)
+        if storage is None:
             return tensor
+        pointer, nbytes = storage
         with self._lock:
-            entry = self._storages.setdefault(pointer, [0, storage.nbytes()])
+            entry = self._storages.setdefault(pointer, [0, nbytes])
             if entry[0] == 0:
                 self.current += entry[1]
             entry[0] += 1
