@@ -3,9 +3,12 @@ a 4-block tiny Llama from config (every rank builds it from the seed, as one pro
 micro-batches per pipeline, 6 steps, gradient clipping at 1.0 active (grad norms ~5), saved at step 3, evaluated at
 steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, is padded to the stages' 48).
 
-- parity: loss AND grad norm of every step within 1e-5 relative of one process (the first within 1e-6) for gpipe,
-  1f1b and interleaved_1f1b (v=2: 4 stages on 2 ranks), unpacked SFT; gpipe on packed rows against a packed run;
-  dp 2 × pp 2 on 4 ranks (micro-batch 1, so the global batch stays 8; FSDP2 shards each stage over its dp pair);
+- parity: loss AND grad norm of every step within 1e-5 relative of one process (the first within 1e-6) for 1f1b,
+  interleaved_1f1b (v=2: 4 stages on 2 ranks) and zbv (the V: rank 0 stages 0 and 3), unpacked SFT; gpipe on packed
+  rows against a packed run; dp 2 × pp 2 on 4 ranks under zb (v=1; micro-batch 1, so the global batch stays 8;
+  FSDP2 shards each stage over its dp pair, its gradients reduce-scattered after the split backward's weight passes;
+  with blocks resharded after forward, the default, zb lost their weight gradients: step 1's grad norm 5.985 against
+  7.534);
   pp 2 × tp 2 on 4 ranks (TP on each stage, then FSDP); tied embeddings (a copy on each end stage, gradients
   summed), and a one-process tied checkpoint (the weight and its Adam state once) resumed at pp=2.
 - p2p: the bytes each rank hands to isend in steps 1 and 2 (metrics/comm.py counts them) are the planner's
@@ -43,15 +46,17 @@ BASE = ["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", "trainer.eva
         "trainer.max_steps=6", "trainer.save_every_n_steps=3", "trainer.keep_last_k=3", "trainer.micro_batch_size=2",
         "trainer.grad_accum_steps=4"]
 PP = ["backend=fsdp2", "backend.pp=2"]
+ZERO_BUBBLE = ["backend.pp_virtual_stages=2", "backend.reshard_after_forward=false"]
 # name: (processes, overrides)
 RUNS = {
     "one": (1, ["backend=fsdp2"]),
-    "gpipe": (2, [*PP, "backend.pp_schedule=gpipe"]),
+    "zbv": (2, [*PP, *ZERO_BUBBLE, "backend.pp_schedule=zbv"]),
     "1f1b": (2, [*PP, "backend.pp_schedule=1f1b"]),
     "interleaved": (2, [*PP, "backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2"]),
     "one_packed": (1, ["backend=fsdp2", "data.packing=true"]),
     "gpipe_packed": (2, [*PP, "backend.pp_schedule=gpipe", "data.packing=true"]),
-    "dp2_pp2": (4, [*PP, "backend.pp_schedule=1f1b", "trainer.micro_batch_size=1"]),  # micro 1 × M 4 × dp 2 = 8
+    "dp2_pp2": (4, [*PP, "backend.pp_schedule=zb", "backend.reshard_after_forward=false",  # ZB1P: one stage a rank
+                    "trainer.micro_batch_size=1"]),  # micro 1 × M 4 × dp 2 = 8
     "pp2_tp2": (4, [*PP, "backend.pp_schedule=1f1b", "backend.tp=2"]),  # tp peers share examples: dp 1, batch 8
     "one_tied": (1, ["backend=fsdp2", "model.from_config.tie_word_embeddings=true"]),
     "1f1b_tied": (2, [*PP, "backend.pp_schedule=1f1b", "model.from_config.tie_word_embeddings=true"]),
@@ -121,7 +126,7 @@ def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) 
     assert reference[-1]["loss"] < reference[0]["loss"]
 
 
-@pytest.mark.parametrize("name,reference", [("gpipe", "one"), ("1f1b", "one"), ("interleaved", "one"),
+@pytest.mark.parametrize("name,reference", [("zbv", "one"), ("1f1b", "one"), ("interleaved", "one"),
                                             ("gpipe_packed", "one_packed"), ("dp2_pp2", "one"),
                                             ("1f1b_tied", "one_tied"), ("pp2_tp2", "one")])
 def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
@@ -129,7 +134,7 @@ def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
 
 
 @pytest.mark.parametrize("name,reference", [("1f1b", "one"), ("interleaved", "one"), ("gpipe_packed", "one_packed"),
-                                            ("dp2_pp2", "one")])
+                                            ("dp2_pp2", "one"), ("zbv", "one")])
 def test_eval_through_the_pipeline_equals_one_process(runs, name, reference, assert_close_series):
     ours, theirs = read_metrics(runs.get(name))[1], read_metrics(runs.get(reference))[1]
     assert [r["step"] for r in ours] == [0, 3, 6] == [r["step"] for r in theirs]
@@ -146,6 +151,9 @@ def test_split_is_logged(runs):
     for line in ("pp rank 0: stage 0: embed + block 0", "pp rank 1: stage 1: block 1", "pp rank 0: stage 2: block 2",
                  "pp rank 1: stage 3: block 3 + norm + head"):
         assert line in runs.logs["interleaved"]
+    runs.get("zbv")
+    assert "pp rank 1: stage 2: block 2" in runs.logs["zbv"] and "pp rank 0: stage 3: block 3 + norm + head" in \
+        runs.logs["zbv"]
 
 
 def test_bitwise_resume_at_pp2(runs):
