@@ -620,8 +620,12 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Coll
                                  softcapping=facts.softcapping)
                 + head_bytes(st, rows, seq, vocab_split(st, row.layout))[0])
 
-    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq)
-    recompute = 2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq if st.checkpointing else 0
+    # a rank's share of one token's FLOPs: its tp peers and pp stages compute the same tokens (dp and sp peers split
+    # the tokens instead, which the meter counts), so its tokens × the whole model's FLOPs would count them tp·pp times
+    peers = row.layout.tp * max(1, len(pipeline))
+    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq) / peers
+    recompute = (2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq) / peers \
+        if st.checkpointing else 0
     # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
     return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
                        gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,

@@ -3,12 +3,18 @@ bytes it sends point to point in a step, and the schedule's bubble.
 
 The formulas (the seeds' pages on GPipe and 1F1B; torch's schedules):
 - bubble: a step of M micro-batches over P stages idles (P−1) slots of M+P−1 on every rank: (P−1)/(M+P−1); with v
-  virtual stages per rank each slot is 1/v as long: (P−1)/(v·M+P−1).
-- activations in flight on pp rank r: GPipe runs every forward first (M micro-batches); 1F1B starts a backward once
-  the pipe is full (P−r); interleaved keeps torch's warm-up, (v−1)·P + 2·(P−1−r) + 1 chunks, at most v·M.
+  virtual stages per rank each slot is 1/v as long: (P−1)/(v·M+P−1). The zero-bubble schedules (zb, zbv) fill those
+  slots with weight-gradient passes: ≈ 0 in theory when a forward, an input-backward and a weight-backward take equal
+  time; the planner prints the interleaved formula for them too, labelled as the bound it is.
+- activations in flight on pp rank r: the most micro-batch chunks alive at once over the rank's actions in torch's
+  order (`rank_actions`): GPipe runs every forward first (M); 1F1B starts a backward once the pipe is full (P−r);
+  interleaved keeps torch's warm-up, (v−1)·M/rounds + 2·(P−1−r) forwards, plus the one before the first backward.
+  The zero-bubble schedules (zb, zbv) are planned at their bound, all v·M chunks: torch's split backward keeps part of
+  each chunk's graph past its weight pass (measured below the bound, `in_flight_stages`).
 - p2p: every stage boundary carries each micro-batch's hidden states forward and their gradient backward,
   b·s·h elements each (b: the micro-batch's rows, 2 per pair for the pair stages). A rank sends forward from every
-  stage but the last and backward from every stage but the first. The live cost counts what the schedules hand to
+  stage but the last and backward from every stage but the first, except to a stage on its own rank (zbv's V: stages
+  P−1 and P both on rank P−1). The live cost counts what the schedules hand to
   isend (metrics/comm.py) next to `pipeline_p2p`, the busiest pp rank's figure (the micro-batch index, b int64s, also
   travels forward: not in the plan, b·s·h·elem / (8·b) = s·h·elem/8 times smaller).
 - model states: the rank's parameters (its blocks, the embedding on stage 0, norm and head on the last; a tied head is
@@ -26,7 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrain.backends.pipeline_checks import SCHEDULES, StageCosts, describe_stage, split_blocks
+from llmtrain.backends.pipeline_checks import (
+    SCHEDULES,
+    StageCosts,
+    describe_stage,
+    rank_stages,
+    split_blocks,
+    stage_ranks,
+)
 from llmtrain.backends.spec import pp_of
 from llmtrain.metrics.cost import Collective, activation_bytes
 
@@ -39,18 +52,29 @@ def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
 
 
 def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int) -> int:
-    """Micro-batch chunks whose activations pp rank `rank` holds at its peak."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, pp - rank)
-    return min(virtual * microbatches, (virtual - 1) * pp + 2 * (pp - 1 - rank) + 1)
+    """Micro-batch chunks whose activations pp rank `rank` holds at its peak (`in_flight_stages`, counted)."""
+    return len(in_flight_stages(PipelineLayout(pp, virtual, schedule, microbatches, ()), rank))
 
 
-def p2p_sends(pp: int, virtual: int, microbatches: int) -> list[int]:
-    """Per pp rank: the boundary tensors (a micro-batch's hidden states or their gradient) it sends in one step."""
+def p2p_sends(pp: int, virtual: int, microbatches: int, v_shape: bool = False) -> list[int]:
+    """Per pp rank: the boundary tensors (a micro-batch's hidden states or their gradient) it sends in one step (none
+    to a neighbouring stage on its own rank)."""
     stages = pp * virtual
-    return [sum((s != stages - 1) + (s != 0) for s in range(rank, stages, pp)) * microbatches for rank in range(pp)]
+
+    def remote(s: int, rank: int) -> bool:
+        return 0 <= s < stages and stage_ranks(s, pp, v_shape) != rank
+
+    return [sum(remote(s + 1, rank) + remote(s - 1, rank) for s in rank_stages(rank, pp, stages, v_shape)) *
+            microbatches for rank in range(pp)]
+
+
+def bubble_line(schedule: str, pp: int, microbatches: int, virtual: int) -> str:
+    """The schedule's idle share as the planner states it, named as the formula it is."""
+    formula = f"(P−1)/({'v·' if virtual > 1 else ''}M+P−1) = {bubble_fraction(pp, microbatches, virtual):.1%}"
+    if SCHEDULES[schedule].split_backward:
+        return (f"bubble ≈ 0 in theory (zero-bubble: weight-gradient passes fill the idle slots when F, B and W take "
+                f"equal time), at most interleaved 1F1B's {formula} of each step")
+    return f"bubble {formula} of each step"
 
 
 def boundary_bytes(rows: int, seq: int, hidden: int, precision: str) -> int:
@@ -63,14 +87,17 @@ def pipeline_p2p(backend: Any, *, rows: int, accum: int, seq: int, hidden: int, 
     pp = pp_of(backend)
     if pp <= 1 or backend.pp_schedule not in SCHEDULES:
         return []
-    v = backend.pp_virtual_stages if SCHEDULES[backend.pp_schedule][1] else 1
+    schedule = SCHEDULES[backend.pp_schedule]
+    v = backend.pp_virtual_stages if schedule.multi else 1
     return [Collective("PP hidden states forward, their gradients back (busiest pp rank)", "p2p",
-                       boundary_bytes(rows, seq, hidden, precision), 2, max(p2p_sends(pp, v, accum)), overlapped=False)]
+                       boundary_bytes(rows, seq, hidden, precision), 2,
+                       max(p2p_sends(pp, v, accum, schedule.v_shape)), overlapped=False)]
 
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Which stages run where: P pp ranks × v stages each, stage s on pp rank s mod P, its blocks bounds[s]."""
+    """Which stages run where: P pp ranks × v stages each, stage s on pp rank s mod P (zbv's V: rank r holds stages r
+    and 2P−1−r), its blocks bounds[s]."""
     pp: int
     virtual: int
     schedule: str
@@ -81,8 +108,12 @@ class PipelineLayout:
     def stages(self) -> int:
         return self.pp * self.virtual
 
+    @property
+    def v_shape(self) -> bool:
+        return SCHEDULES[self.schedule].v_shape
+
     def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.stages, self.pp))
+        return rank_stages(rank, self.pp, self.stages, self.v_shape)
 
 
 def pipeline_layout(backend: Any, facts: Any, *, accum: int, seq: int) -> PipelineLayout | None:
@@ -90,7 +121,7 @@ def pipeline_layout(backend: Any, facts: Any, *, accum: int, seq: int) -> Pipeli
     pp = pp_of(backend)
     if pp <= 1 or backend.pp_schedule not in SCHEDULES:
         return None
-    v = backend.pp_virtual_stages if SCHEDULES[backend.pp_schedule][1] else 1
+    v = backend.pp_virtual_stages if SCHEDULES[backend.pp_schedule].multi else 1
     if facts.layers < pp * v:
         return None
     costs = StageCosts.of(facts.block, facts.hidden, facts.vocab, seq, facts.head or facts.embed)
@@ -120,22 +151,38 @@ def rank_state_bytes(layout: PipelineLayout, facts: Any, rank: int, *, head: int
     return 16 * (rank_params(layout, facts, rank, head) - split) / dp
 
 
-def forward_order(layout: PipelineLayout, rank: int) -> list[int]:
-    """The stage of each forward pp rank `rank` runs in a step, in order: M forwards of its one stage, or (interleaved)
-    rounds of M // max(1, M // P) micro-batches through each of its v stages in turn (torch's
-    ScheduleInterleaved1F1B)."""
-    mine, m = layout.stages_of(rank), layout.microbatches
-    if layout.virtual == 1:
-        return [mine[0]] * m
-    per_round = m // max(1, m // layout.pp)
-    return [mine[(k // per_round) % layout.virtual] for k in range(layout.virtual * m)]
+def rank_actions(layout: PipelineLayout, rank: int) -> list[tuple[str, int]]:
+    """What pp rank `rank` does in a step under gpipe, 1f1b and interleaved_1f1b, in torch's order, as far as saved
+    activations go: ("F", stage) a forward that keeps one micro-batch chunk for backward; ("B", stage) the backward
+    that lets the oldest chunk of that stage go."""
+    p, v, m, mine = layout.pp, layout.virtual, layout.microbatches, layout.stages_of(rank)
+    per_round = m // max(1, m // p)  # torch's microbatches_per_round
+    hop = 2 if layout.schedule == "interleaved_1f1b" else 1
+    warmup = m if layout.schedule == "gpipe" else min(v * m, (v - 1) * per_round + hop * (p - 1 - rank))
+    actions = []
+    for op in range(v * m + warmup):  # torch's _get_1f1b_rank_ops: warm-up F, then F + B, then the cool-down's B
+        if op < v * m:
+            actions.append(("F", mine[(op // per_round) % v]))
+        if op >= warmup:
+            actions.append(("B", mine[v - 1 - ((op - warmup) // per_round) % v]))
+    return actions
 
 
 def in_flight_stages(layout: PipelineLayout, rank: int) -> list[int]:
-    """The stage of each micro-batch chunk whose activations pp rank `rank` holds at its peak (`in_flight` of them:
-    the first forwards of its order, run before its first backward)."""
-    chunks = in_flight(layout.schedule, layout.pp, rank, layout.microbatches, layout.virtual)
-    return forward_order(layout, rank)[:chunks]
+    """The stage of each micro-batch chunk whose activations pp rank `rank` holds at its peak: the most chunks alive at
+    once over `rank_actions` (the first time that many are). Under a split backward (zb, zbv) the bound, every chunk
+    of the step: torch's input pass keeps the graph's intermediates for the weight pass, and the weight pass does not
+    free a chunk's tensors as a backward does (measured on 2 ranks: up to all M chunks alive at once, 51-77 % of the
+    bound's bytes)."""
+    if SCHEDULES[layout.schedule].split_backward:
+        return [stage for stage in layout.stages_of(rank) for _ in range(layout.microbatches)]
+    alive: list[int] = []
+    peak: list[int] = []
+    for kind, stage in rank_actions(layout, rank):
+        alive.append(stage) if kind == "F" else alive.remove(stage)
+        if len(alive) > len(peak):
+            peak = list(alive)
+    return peak
 
 
 def rank_activation_bytes(layout: PipelineLayout, rank: int, chunk_bytes: Callable[[int], float]) -> float:
@@ -152,10 +199,10 @@ def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int
     if layout is None:
         return []
     pp, v, stages, bounds = layout.pp, layout.virtual, layout.stages, layout.bounds
-    sends = p2p_sends(pp, v, accum)
+    sends = p2p_sends(pp, v, accum, layout.v_shape)
     boundary = boundary_bytes(micro, seq, facts.hidden, precision)
     lines = [f"pipeline: pp {pp} × v {v} = {stages} stages, {layout.schedule}, M = {accum} micro-batches of {micro} "
-             f"rows: bubble (P−1)/({'v·' if v > 1 else ''}M+P−1) = {bubble_fraction(pp, accum, v):.1%} of each step; "
+             f"rows: {bubble_line(layout.schedule, pp, accum, v)}; "
              "the table above counts every block on every rank, the lines below each rank's stages"]
     for rank in range(pp):
         pieces = "; ".join(f"stage {s}: {describe_stage(s, stages, bounds[s])}" for s in layout.stages_of(rank))

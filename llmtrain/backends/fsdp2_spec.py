@@ -30,8 +30,8 @@ class FSDP2Config(BackendNode):
     cpu_offload: bool = False
     compile: bool = False
     pp: int = 1  # pipeline stages (backends/pipeline.py); world = pp × dp_replicate × dp_shard × sp × tp
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    pp_virtual_stages: int = 1  # stages per rank (interleaved_1f1b: >= 2)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb | zbv (zero-bubble: reshard_after_forward=false)
+    pp_virtual_stages: int = 1  # stages per rank (interleaved_1f1b: >= 2; zbv: 2)
 
 
 def degrees(backend: Any) -> dict[str, int]:
@@ -71,7 +71,7 @@ def _pipeline_model_problems(backend: Any, arch: Any) -> list[str]:
     from llmtrain.models.moe import expert_count
 
     return pipeline_model_problems(backend, arch.num_hidden_layers, expert_count(arch) or 0, arch.model_type,
-                                   has_layer_stack(arch))
+                                   has_layer_stack(arch), tied=bool(getattr(arch, "tie_word_embeddings", False)))
 
 
 def _tp_model_problems(backend: Any, world_size: int, arch: Any) -> list[str]:

@@ -3,7 +3,8 @@
 The split (torchtitan's pipeline_llm, done on an HF model): the decoder's blocks go to P·v stages by cost
 (pipeline_checks.split_blocks); each stage is a copy of the causal LM in which the blocks of other stages are
 `PipelineIdentity` (so the kept ones keep their `model.layers.N` names and checkpoints their keys), the embedding
-lives on the first stage only and the final norm and head on the last. Stage s sits on pp rank s mod P.
+lives on the first stage only and the final norm and head on the last. Stage s sits on pp rank s mod P (zbv: the V,
+rank r holds stages r and 2P−1−r, so the first and the last stage share rank 0).
 
 What travels between stages: the hidden states (b, W, h) and the micro-batch's index (b,) in the step. Every rank of
 one pipeline reads the same examples (as tensor-parallel peers do), so each stage rebuilds the micro-batch's
@@ -30,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.backends.pipeline_checks import SCHEDULES, StageCosts, describe_stage, split_blocks
+from llmtrain.backends.pipeline_checks import (
+    SCHEDULES,
+    StageCosts,
+    describe_stage,
+    rank_stages,
+    split_blocks,
+    stage_ranks,
+)
 from llmtrain.data.collate import Batch
 from llmtrain.losses.lm import IGNORE_INDEX
 
@@ -211,15 +219,16 @@ def block_costs(causal_lm: nn.Module, seq_len: int) -> StageCosts:
 
 
 def build_parts(causal_lm: nn.Module, pp_rank: int, pp: int, virtual: int, seq_len: int, inputs: StepInputs,
-                log_split: bool) -> list[StageModule]:
-    """This rank's stage modules (stages pp_rank, pp_rank + pp, ...), in stage order."""
+                log_split: bool, v_shape: bool = False) -> list[StageModule]:
+    """This rank's stage modules (stages pp_rank, pp_rank + pp, ...; v_shape: pp_rank and 2·pp−1−pp_rank), in stage
+    order."""
     layers = len(causal_lm.model.layers)
     num_stages = pp * virtual
     bounds = split_blocks(layers, num_stages, block_costs(causal_lm, seq_len))
     if log_split:
         for s, blocks in enumerate(bounds):
-            log.info("pp rank %d: stage %d: %s", s % pp, s, describe_stage(s, num_stages, blocks))
-    mine, head = range(pp_rank, num_stages, pp), head_name(causal_lm)
+            log.info("pp rank %d: stage %d: %s", stage_ranks(s, pp, v_shape), s, describe_stage(s, num_stages, blocks))
+    mine, head = rank_stages(pp_rank, pp, num_stages, v_shape), head_name(causal_lm)
     return [StageModule(stage_copy(causal_lm, bounds[s], s == 0, s == num_stages - 1), s, num_stages, bounds[s],
                         inputs, head) for s in mine]
 
@@ -249,16 +258,44 @@ class Shapes:
 
 def build_schedule(parts: list[StageModule], schedule: str, microbatches: int, device: torch.device, group,
                    loss_fn, shapes: Shapes):
-    """torch's PipelineStage per part and the named schedule over them, with scale_grads off (module docstring)."""
+    """torch's PipelineStage per part and the named schedule over them, with scale_grads off (module docstring);
+    loss_fn None: forward only (evaluation) in GPipe's order, in the named schedule's stage placement."""
     from torch.distributed import pipelining
 
     num_stages = len(parts) * group.size()
     stages = [pipelining.PipelineStage(part, part.index, num_stages, device, group=group,
                                        input_args=shapes.inputs(part.is_first),
                                        output_args=shapes.outputs(part.is_last)) for part in parts]
-    if loss_fn is None:  # forward only (evaluation): GPipe's order, one stage or several per rank
-        return (pipelining.ScheduleGPipe(stages[0], n_microbatches=microbatches) if len(stages) == 1 else
-                pipelining.ScheduleLoopedBFS(stages, n_microbatches=microbatches))
-    cls = getattr(pipelining, SCHEDULES[schedule][0])
-    single = not SCHEDULES[schedule][1]
+    if loss_fn is None:
+        if len(stages) == 1:
+            return pipelining.ScheduleGPipe(stages[0], n_microbatches=microbatches)
+        looped = _v_shaped_bfs() if SCHEDULES[schedule].v_shape else pipelining.ScheduleLoopedBFS
+        return looped(stages, n_microbatches=microbatches)
+    cls = getattr(pipelining, SCHEDULES[schedule].torch_class)
+    single = not SCHEDULES[schedule].multi
     return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _v_shaped_bfs():
+    from torch.distributed.pipelining import ScheduleLoopedBFS
+    from torch.distributed.pipelining.schedules import _ComputationType as Action
+
+    class VShapedBFS(ScheduleLoopedBFS):
+        """torch's ScheduleLoopedBFS over zbv's V placement (rank r: stages r and 2P−1−r) instead of the looped one,
+        forwards only: the evaluation's schedule for a zbv run (torch maps stages to ranks from these actions). Its
+        backward actions are dropped once lowered: they would hand gradients between the V's two stages on rank P−1,
+        which a stage without backward refuses (torch's check of the actions wants them until then)."""
+
+        def _calculate_single_rank_operations(self, rank):
+            looped = super()._calculate_single_rank_operations(rank)
+            mine = rank_stages(rank, self.pp_group_size, self._num_stages, v_shape=True)
+            order = {s: mine[i] for i, s in enumerate(range(rank, self._num_stages, self.pp_group_size))}
+            return [a if a is None else a._replace(stage_index=order[a.stage_index]) for a in looped]
+
+        def _prepare_schedule_with_comms(self, actions, format="compute_only"):
+            super()._prepare_schedule_with_comms(actions, format)
+            keep = (Action.FORWARD, Action.SEND_F, Action.RECV_F, Action.UNSHARD, Action.RESHARD)
+            self.pipeline_order_with_comms = {rank: [a for a in ops if a.computation_type in keep]
+                                              for rank, ops in self.pipeline_order_with_comms.items()}
+
+    return VShapedBFS

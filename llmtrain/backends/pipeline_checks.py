@@ -5,45 +5,62 @@ backends/pipeline.py builds the stages from `split_blocks`.
 What runs under pp > 1 today (backends/pipeline.py): pretrain and SFT (packed or not), the reward model, DPO (its
 reference log-probs precomputed through the policy's pipeline: stages/dpo.py), SimPO and ORPO (a pair's two sequences
 in one micro-batch, padded rows or one packed row), with eval, on the fsdp2 backend, dp × pp × tp, schedules gpipe /
-1f1b / interleaved_1f1b, a decoder with a `model.layers` stack (tied embeddings too), fp32 or bf16.
+1f1b / interleaved_1f1b / zb / zbv (the zero-bubble ones with backend.reshard_after_forward=false), a decoder with a
+`model.layers` stack (tied embeddings too, but not under zbv), fp32 or bf16.
 Everything else is refused here by name, with the fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmtrain.backends.spec import pp_of
 
-# schedule name -> (torch.distributed.pipelining class, several stages per rank, needs M >= pp)
+
+class Schedule(NamedTuple):
+    """What the checks, the split, the engine and the planner ask about a torch.distributed.pipelining schedule."""
+    torch_class: str
+    multi: bool  # several stages per rank (a list of stages; backend.pp_virtual_stages of them)
+    full_pipe: bool  # needs M >= pp micro-batches (trainer.grad_accum_steps)
+    min_v: int = 1  # backend.pp_virtual_stages allowed: min_v .. max_v
+    max_v: int | None = None
+    rounds: bool = False  # torch splits M into rounds of ~pp micro-batches (M % rounds == 0)
+    split_backward: bool = False  # backward split into an input pass (I) and a weight pass (W)
+    v_shape: bool = False  # rank r holds stages r and 2P−1−r (else looped: r, r + P, ...)
+
+
 SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", False, False),
-    "1f1b": ("Schedule1F1B", False, True),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True, True),
+    "gpipe": Schedule("ScheduleGPipe", False, False, max_v=1),
+    "1f1b": Schedule("Schedule1F1B", False, True, max_v=1),
+    "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", True, True, min_v=2, rounds=True),
+    "zb": Schedule("ScheduleInterleavedZeroBubble", True, True, rounds=True, split_backward=True),
+    "zbv": Schedule("ScheduleZBVZeroBubble", True, True, min_v=2, max_v=2, split_backward=True, v_shape=True),
 }
-# Refused by name. Measured (torch 2.13, 2 CPU ranks, FSDP2 stages): zb runs, but step 1's grad norm is 5.985 against
-# one process's 7.534, with the fused head and without (its split input/weight backward loses weight gradients);
-# zbv needs the V-shaped stage placement (rank r: stages r and 2P−1−r), which the split does not make yet.
-LATER_SCHEDULES = {"zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
 def schedule_problems(backend: Any) -> list[str]:
     """backend.pp_schedule / backend.pp_virtual_stages on their own (the degrees are ParallelDims')."""
-    pp, schedule, v = backend.pp, backend.pp_schedule, backend.pp_virtual_stages
-    if schedule in LATER_SCHEDULES:
-        return [f"backend.pp_schedule={schedule} ({LATER_SCHEDULES[schedule]}: zero-bubble, split input/weight "
-                f"backward) is not wired up yet; use backend.pp_schedule=1f1b or interleaved_1f1b"]
-    if schedule not in SCHEDULES:
-        return [f"backend.pp_schedule={schedule} is not one of {', '.join(SCHEDULES)}"]
+    pp, name, v = backend.pp, backend.pp_schedule, backend.pp_virtual_stages
+    if name not in SCHEDULES:
+        return [f"backend.pp_schedule={name} is not one of {', '.join(SCHEDULES)}"]
+    schedule = SCHEDULES[name]
     if v < 1:
         return [f"backend.pp_virtual_stages={v} must be >= 1"]
-    if SCHEDULES[schedule][1] and pp > 1 and v < 2:
-        return [f"backend.pp_schedule={schedule} interleaves several stages per rank: set backend.pp_virtual_stages "
-                f">= 2 (backend.pp={pp}), or use backend.pp_schedule=1f1b for one stage per rank"]
-    if not SCHEDULES[schedule][1] and v != 1:
-        return [f"backend.pp_virtual_stages={v} needs backend.pp_schedule=interleaved_1f1b ({schedule} runs one "
-                "stage per rank); set backend.pp_virtual_stages=1 or backend.pp_schedule=interleaved_1f1b"]
+    if schedule.max_v == 1 and v != 1:
+        return [f"backend.pp_virtual_stages={v} needs backend.pp_schedule=interleaved_1f1b, zb or zbv ({name} runs "
+                "one stage per rank); set backend.pp_virtual_stages=1 or backend.pp_schedule=interleaved_1f1b"]
+    if pp > 1 and schedule.max_v == schedule.min_v == 2 and v != 2:
+        return [f"backend.pp_schedule={name} ({schedule.torch_class}) places exactly 2 stages per rank in a V (rank "
+                f"r: stages r and 2·pp−1−r): set backend.pp_virtual_stages=2 (it is {v})"]
+    if pp > 1 and v < schedule.min_v:
+        return [f"backend.pp_schedule={name} interleaves several stages per rank: set backend.pp_virtual_stages "
+                f">= {schedule.min_v} (backend.pp={pp}), or use backend.pp_schedule=1f1b for one stage per rank"]
+    if pp > 1 and schedule.split_backward and getattr(backend, "reshard_after_forward", False):
+        return [f"backend.pp_schedule={name} splits each backward into an input pass and a later weight pass, which "
+                "reach a block's weights only while FSDP keeps them gathered (a block resharded after its forward "
+                "loses its weight gradients: torch's stage_backward_input sees the sharded parameters); set "
+                "backend.reshard_after_forward=false (the schedule gathers and frees each stage as a whole)"]
     return []
 
 
@@ -74,15 +91,15 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
                         "(its StageSpec has pipelines=False); set backend.pp=1")
     schedule = SCHEDULES.get(backend.pp_schedule)
     m = cfg.trainer.grad_accum_steps
-    if schedule is not None and schedule[2] and m < pp:
+    if schedule is not None and schedule.full_pipe and m < pp:
         problems.append(f"trainer.grad_accum_steps={m} < backend.pp={pp}: {backend.pp_schedule} keeps pp micro-"
                         f"batches in flight, and the pipeline's micro-batches are the step's; raise "
                         f"trainer.grad_accum_steps to >= {pp} (the global batch grows with it) or use "
                         "backend.pp_schedule=gpipe")
     rounds = max(1, m // pp)
-    if schedule is not None and schedule[1] and m % rounds:
+    if schedule is not None and schedule.rounds and m % rounds:
         problems.append(f"trainer.grad_accum_steps={m} does not split into {rounds} equal rounds for "
-                        f"{backend.pp_schedule} (torch's ScheduleInterleaved1F1B: rounds of ~backend.pp={pp} "
+                        f"{backend.pp_schedule} (torch's {schedule.torch_class}: rounds of ~backend.pp={pp} "
                         f"micro-batches); use a multiple of {pp}, or at most {2 * pp - 1}")
     if cfg.peft.name != "none":
         problems.append(f"peft={cfg.peft.name} with backend.pp={pp}: adapters over pipeline stages are not wired up "
@@ -93,7 +110,8 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
     return problems
 
 
-def model_problems(backend: Any, layers: int, experts: int, model_type: str, layer_stack: bool = True) -> list[str]:
+def model_problems(backend: Any, layers: int, experts: int, model_type: str, layer_stack: bool = True,
+                   tied: bool = False) -> list[str]:
     """The architecture against pp · v stages (config.json, no weights). layer_stack: the model has the
     model.layers / embed_tokens / norm / lm_head names the split works on. (Tied embeddings are fine: a copy on the
     first stage and one on the last, their gradients summed: backends/pipeline_engine.py.)"""
@@ -105,11 +123,16 @@ def model_problems(backend: Any, layers: int, experts: int, model_type: str, lay
                 f"which backend.pp={pp} splits into stages; use backend.pp=1 (fsdp2 shards it), or a Llama-style "
                 "family (llama, qwen2, qwen3, mistral)"]
     problems = []
-    stages = pp * max(1, v) if SCHEDULES.get(backend.pp_schedule, (0, False))[1] else pp
+    schedule = SCHEDULES.get(backend.pp_schedule)
+    stages = pp * max(1, v) if schedule is not None and schedule.multi else pp
     if layers < stages:
         problems.append(f"{model_type} has {layers} decoder blocks, fewer than backend.pp={pp} × "
                         f"backend.pp_virtual_stages={v} = {stages} stages; lower backend.pp or "
                         "backend.pp_virtual_stages")
+    if tied and schedule is not None and schedule.v_shape:
+        problems.append(f"{model_type} ties its input and output embeddings, and {backend.pp_schedule}'s V puts the "
+                        "first and the last stage (both copies) on pp rank 0, which the tied gradient sum and "
+                        "checkpoint loading do not handle yet; use backend.pp_schedule=zb or interleaved_1f1b")
     if experts:
         problems.append(f"{model_type} is a mixture of experts: its routers' aux loss spans every stage, which the "
                         f"pipeline does not gather yet; use backend.pp=1")
@@ -169,6 +192,12 @@ def describe_stage(stage: int, stages: int, blocks: range) -> str:
     return " + ".join(parts + (["norm + head"] if stage == stages - 1 else []))
 
 
-def stage_ranks(stage: int, pp: int) -> int:
-    """The pp rank that holds `stage` (looped placement: rank r holds stages r, r + pp, ...)."""
-    return stage % pp
+def stage_ranks(stage: int, pp: int, v_shape: bool = False) -> int:
+    """The pp rank that holds `stage`: looped placement, rank r holds stages r, r + pp, ...; V-shaped (zbv, 2 stages
+    per rank), rank r holds stages r and 2·pp−1−r."""
+    return stage % pp if not v_shape or stage < pp else 2 * pp - 1 - stage
+
+
+def rank_stages(rank: int, pp: int, stages: int, v_shape: bool = False) -> list[int]:
+    """The stages pp rank `rank` holds, in stage order (stage_ranks' inverse)."""
+    return [s for s in range(stages) if stage_ranks(s, pp, v_shape) == rank]

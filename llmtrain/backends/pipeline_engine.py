@@ -45,6 +45,7 @@ from llmtrain.backends.fsdp2 import (
     total_grad_norm,
 )
 from llmtrain.backends.pipeline import (
+    SCHEDULES,
     RankModel,
     Shapes,
     StepInputs,
@@ -160,7 +161,7 @@ class PipelineEngine(FSDP2Engine):
         rank0_weights = (model.state_dict(), dict(model.named_buffers())) if on_meta and ctx.is_main else None
         self.model_class = type(model)  # the export's empty whole model (a causal LM, or the reward model's)
         parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
-                            log_split=ctx.is_main)
+                            log_split=ctx.is_main, v_shape=SCHEDULES[schedule].v_shape)
         del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
         for part in parts:  # the fixed order: tp, then fsdp (backends/fsdp2.py says why), per stage
             to_meta(part) if on_meta else part.to(ctx.device)  # every rank parallelizes the same empty stages
@@ -269,7 +270,8 @@ class PipelineEngine(FSDP2Engine):
         if self.eval_schedule is None:
             rows, width = micro_batch_shape(batch, self.shapes.width)
             shapes = replace(self.shapes, rows=rows, width=width)
-            self.eval_schedule = build_schedule(self.parts, "gpipe", 1, self.ctx.device, self.pp_group, None, shapes)
+            self.eval_schedule = build_schedule(self.parts, self.schedule_name, 1, self.ctx.device, self.pp_group, None,
+                                                shapes)  # forward only, in the training schedule's stage placement
             self.eval_shapes = shapes
         return self.eval_shapes
 

@@ -191,7 +191,7 @@ class PlanFigures:
     state_bytes: float
     gathered_bytes: float  # + the working copies gathered while computing (ZeRO-3 / FSDP2 modules, autocast's copies)
     activations: object  # (rows, seq) -> activation + logits bytes of one forward of one role
-    flops_per_token: float  # model FLOPs of one trained token (6·M + 12·L·h·s at the config's s)
+    flops_per_token: float  # this rank's share of a trained token's model FLOPs: (6·M + 12·L·h·s) / (tp·pp)
     hardware_flops_per_token: float  # + one more forward of the blocks under activation checkpointing
     peak_flops: float | None  # the device's dense 16-bit peak (plan.gpu / plan.peak_tflops); None: no MFU
     comm: dict  # `<kind>_payload` / `<kind>_wire` of one step (metrics/cost.py `communication`)

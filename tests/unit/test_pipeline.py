@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtrain.backends import BACKENDS, data_parallel_size
 from llmtrain.backends.pipeline import PipelineIdentity, stage_copy
-from llmtrain.backends.pipeline_checks import StageCosts, describe_stage, split_blocks
+from llmtrain.backends.pipeline_checks import StageCosts, describe_stage, rank_stages, split_blocks, stage_ranks
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.parallel import ParallelDims
@@ -31,6 +31,12 @@ def test_a_costly_head_moves_blocks_off_the_last_stage():
     assert split_blocks(8, 2, StageCosts(block=1.0, embed=0.0, head=3.0)) == [range(0, 5), range(5, 8)]
     # a costly embedding moves them the other way
     assert split_blocks(8, 2, StageCosts(block=1.0, embed=2.0, head=0.0)) == [range(0, 3), range(3, 8)]
+
+
+def test_looped_and_v_shaped_placements():
+    assert [rank_stages(r, 2, 4) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [rank_stages(r, 4, 8, v_shape=True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert all(stage_ranks(s, 4, True) == r for r in range(4) for s in rank_stages(r, 4, 8, v_shape=True))
 
 
 def test_costs_follow_the_flops_model():
@@ -109,17 +115,30 @@ def test_a_valid_pipeline_config_passes():
                     "trainer.grad_accum_steps=3") == ""  # one round of 3 (torch's rule)
     assert problems(*PP2, "backend.pp_schedule=gpipe", "trainer.grad_accum_steps=1", world=4) == ""
     assert problems(*PP2, "backend.tp=2", world=4) == ""  # pp 2 × tp 2
+    zero_bubble = ["backend.reshard_after_forward=false", "backend.pp_virtual_stages=2"]
+    assert problems(*PP2, "backend.pp_schedule=zb", *zero_bubble) == ""
+    assert problems(*PP2, "backend.pp_schedule=zb", "backend.reshard_after_forward=false") == ""  # ZB1P: v 1
+    assert problems(*PP2, "backend.pp_schedule=zbv", *zero_bubble, "trainer.grad_accum_steps=3") == ""  # no rounds
 
 
 @pytest.mark.parametrize("overrides,world,needle", [
     (["backend.pp=3"], 2, "backend.pp=3 × backend.dp_replicate=1 × backend.tp=1 = 3"),
     (["trainer.grad_accum_steps=1"], 2, "trainer.grad_accum_steps=1 < backend.pp=2: 1f1b"),
     (["backend.pp_schedule=interleaved_1f1b"], 2, "set backend.pp_virtual_stages >= 2"),
-    (["backend.pp_virtual_stages=2"], 2, "backend.pp_virtual_stages=2 needs backend.pp_schedule=interleaved_1f1b"),
+    (["backend.pp_virtual_stages=2"], 2, "backend.pp_virtual_stages=2 needs backend.pp_schedule=interleaved_1f1b, zb"),
     (["backend.pp_schedule=interleaved_1f1b", "backend.pp_virtual_stages=2", "trainer.grad_accum_steps=5"], 2,
      "trainer.grad_accum_steps=5 does not split into 2 equal rounds for interleaved_1f1b"),
-    (["backend.pp_schedule=zbv"], 2, "backend.pp_schedule=zbv (ScheduleZBVZeroBubble"),
-    (["backend.pp_schedule=zb"], 2, "backend.pp_schedule=zb (ScheduleInterleavedZeroBubble"),
+    (["backend.pp_schedule=zb"], 2, "backend.pp_schedule=zb splits each backward into an input pass and a later "
+     "weight pass"),  # default reshard_after_forward=true: blocks' weight gradients lost (tests/dist/test_pipeline.py)
+    (["backend.pp_schedule=zbv", "backend.pp_virtual_stages=2"], 2, "set backend.reshard_after_forward=false"),
+    (["backend.pp_schedule=zbv", "backend.reshard_after_forward=false"], 2,
+     "backend.pp_schedule=zbv (ScheduleZBVZeroBubble) places exactly 2 stages per rank in a V"),
+    (["backend.pp_schedule=zbv", "backend.pp_virtual_stages=3", "backend.reshard_after_forward=false"], 2,
+     "set backend.pp_virtual_stages=2 (it is 3)"),
+    (["backend.pp_schedule=zb", "backend.pp_virtual_stages=2", "backend.reshard_after_forward=false",
+      "trainer.grad_accum_steps=5"], 2, "does not split into 2 equal rounds for zb (torch's ScheduleInterleavedZero"),
+    (["backend.pp_schedule=zbv", "backend.pp_virtual_stages=2", "backend.reshard_after_forward=false",
+      "trainer.grad_accum_steps=1"], 2, "trainer.grad_accum_steps=1 < backend.pp=2: zbv"),
     (["backend.pp_schedule=dualpipe"], 2, "backend.pp_schedule=dualpipe is not one of gpipe, 1f1b"),
     (["backend.tp=2"], 2, "world size 2 divisible by backend.pp=2 × backend.dp_replicate=1 × backend.tp=2 = 4"),
     (["backend.compile=true"], 2, "backend.compile=true is not tested yet"),
@@ -178,6 +197,9 @@ def test_model_checks_blocks_and_experts():
     [message] = check(pp_backend(pp_schedule="interleaved_1f1b", pp_virtual_stages=3), 2, arch(layers=4))
     assert "4 decoder blocks, fewer than backend.pp=2 × backend.pp_virtual_stages=3 = 6 stages" in message
     assert check(pp_backend(), 2, arch(tied=True)) == []  # a copy on the first and the last stage, grads summed
+    [tied] = check(pp_backend(pp_schedule="zbv", pp_virtual_stages=2, reshard_after_forward=False), 2, arch(tied=True))
+    assert "zbv's V puts the first and the last stage (both copies) on pp rank 0" in tied and "backend.pp_schedule=zb" \
+        in tied
     both = check(pp_backend(tp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=4), 32, arch(layers=4))
     assert "fewer than backend.pp=2 × backend.pp_virtual_stages=4" in both[0]  # the pipeline's and TP's checks
     assert "backend.tp=4 must divide the model's num_key_value_heads=2" in both[1] and "backend.pp=2 × " in both[1]
@@ -195,6 +217,8 @@ def test_bubble_and_in_flight_formulas():
     assert [in_flight("gpipe", 4, r, 8, 1) for r in range(4)] == [8] * 4
     assert [in_flight("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight("interleaved_1f1b", 2, r, 4, 2) for r in range(2)] == [5, 3]
+    # zb, zbv: planned at their bound, every chunk of the step (torch's split backward holds them past the I pass)
+    assert [in_flight("zb", 2, r, 4, 1) for r in range(2)] == [4, 4] and in_flight("zbv", 4, 0, 2, 2) == 4
 
 
 def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
@@ -203,6 +227,8 @@ def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
     assert p2p_sends(2, 1, 4) == [4, 4]  # stage 0 sends forward, stage 1 backward, once per micro-batch
     assert p2p_sends(4, 1, 8) == [8, 16, 16, 8]  # the middle stages send both ways
     assert p2p_sends(2, 2, 4) == [12, 12]  # rank 0: stage 0 (forward) + stage 2 (both); rank 1: stage 1 + stage 3
+    assert p2p_sends(2, 2, 4, v_shape=True) == [8, 8]  # the V: rank 0 stages 0, 3; rank 1 stages 1, 2 (1 -> 2 local)
+    assert p2p_sends(4, 2, 8, v_shape=True) == [16, 32, 32, 16]
     [p2p] = pipeline_p2p(pp_backend(pp=4), rows=2, accum=8, seq=16, hidden=32, precision="fp32")
     assert (p2p.kind, p2p.payload, p2p.times, p2p.wire) == ("p2p", 2 * 16 * 32 * 4, 16, 16 * 2 * 16 * 32 * 4)
     assert pipeline_p2p(pp_backend(pp=1), rows=2, accum=8, seq=16, hidden=32, precision="bf16") == []
@@ -217,6 +243,11 @@ def test_plan_prints_each_pp_ranks_stages():
     assert "bubble (P−1)/(M+P−1) = 20.0%" in text
     assert "pp rank 0: stage 0: embed + blocks 0-1:" in text and "pp rank 1: stage 1: blocks 2-3 + norm + head:" in text
     assert "/dp 2)" in text
+    zbv = plan_text(compose_config(["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", *PP2,
+                                    "trainer.grad_accum_steps=4", "plan.world_size=2", "backend.pp_schedule=zbv",
+                                    "backend.pp_virtual_stages=2", "backend.reshard_after_forward=false"]))
+    assert "bubble ≈ 0 in theory (zero-bubble" in zbv and "at most interleaved 1F1B's (P−1)/(v·M+P−1) = 11.1%" in zbv
+    assert "pp rank 0: stage 0: embed + block 0; stage 3: block 3 + norm + head:" in zbv
 
 
 def test_a_family_without_model_layers_is_refused():

@@ -11,8 +11,8 @@ from llmtrain.metrics.live import InFlightMeter, PipelineRankFigures, PlanFigure
 from llmtrain.plan_pp import (
     PipelineLayout,
     StageActivations,
-    forward_order,
     in_flight_stages,
+    rank_actions,
     rank_params,
     rank_state_bytes,
     stage_head,
@@ -76,15 +76,22 @@ def _layout(schedule: str, pp: int = 2, virtual: int = 1, microbatches: int = 4)
                                                                      for s in range(stages)))
 
 
-def test_forward_order_and_the_chunks_in_flight():
+def test_the_actions_and_the_chunks_in_flight():
     """GPipe holds all M, 1F1B P − rank; interleaved (torch's rounds of P micro-batches per local stage) rank 0:
-    stage 0 m0 m1, stage 2 m0 m1, stage 0 m2 in flight; rank 1: stage 1 m0 m1, stage 3 m0."""
+    stage 0 m0 m1, stage 2 m0 m1, stage 0 m2 in flight; rank 1: stage 1 m0 m1, stage 3 m0. zbv (the V: rank 0 holds
+    stages 0 and 3) at its bound: every chunk of the step."""
     assert in_flight_stages(_layout("gpipe"), 1) == [1] * 4
     assert [in_flight_stages(_layout("1f1b"), r) for r in range(2)] == [[0, 0], [1]]
     interleaved = _layout("interleaved_1f1b", virtual=2)
-    assert forward_order(interleaved, 0) == [0, 0, 2, 2, 0, 0, 2, 2]
+    assert [stage for kind, stage in rank_actions(interleaved, 0) if kind == "F"] == [0, 0, 2, 2, 0, 0, 2, 2]
     assert in_flight_stages(interleaved, 0) == [0, 0, 2, 2, 0] and in_flight_stages(interleaved, 1) == [1, 1, 3]
-    assert forward_order(_layout("interleaved_1f1b", virtual=2, microbatches=3), 1) == [1, 1, 1, 3, 3, 3]  # 1 round
+    one_round = rank_actions(_layout("interleaved_1f1b", virtual=2, microbatches=3), 1)
+    assert [stage for kind, stage in one_round if kind == "F"] == [1, 1, 1, 3, 3, 3]
+    assert in_flight_stages(_layout("zbv", virtual=2), 0) == [0] * 4 + [3] * 4
+    for layout in (interleaved, _layout("1f1b"), _layout("gpipe")):  # every chunk kept is let go, stage by stage
+        for rank in range(2):
+            actions = rank_actions(layout, rank)
+            assert sorted(s for k, s in actions if k == "F") == sorted(s for k, s in actions if k == "B")
 
 
 def test_each_pp_ranks_parameters_and_states():
