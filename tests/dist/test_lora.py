@@ -2,9 +2,10 @@
 on each, checkpoints that hold the adapters only, and exports (adapter/ + merged hf/) equal across backends.
 
 Every run loads the same saved tiny Llama, adds r-4 adapters on every linear layer (A seeded per module name,
-B = 0), trains 6 steps (micro 4 × accumulation 2 × 2 ranks) in fp32 and saves at step 3. Each named run runs
-once, on first use, and serves several tests. Step 1's loss is the base's (B = 0) whatever A is; its grad norm
-(the gradient of B is A·x) is what shows that A is the same on every backend.
+B = 0), trains 6 steps (micro 4 × accumulation 2 × 2 ranks) in fp32 and saves at step 3. Every run of the module
+runs once, up front, in one 2-rank launch (the `runs` fixture), and serves several tests. Step 1's loss is the
+base's (B = 0) whatever A is; its grad norm (the gradient of B is A·x) is what shows that A is the same on every
+backend.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli
+from tests.helpers import PYTHON, REPO, assert_batch_ok, assert_ok, batch_log, cli_env, read_metrics, run_batch
 
 pytestmark = pytest.mark.dist
 
@@ -25,37 +26,32 @@ COMMON = ["peft=lora", "peft.r=4", "peft.alpha=8", "trainer.max_steps=6", "train
           "trainer.micro_batch_size=4", "optim.weight_decay=0.1", "trainer.save_every_n_steps=3",
           "trainer.keep_last_k=3", "optim.lr=1e-2"]
 BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
-
-
-class Runs:
-    """Each named run once, on first use (a failed run fails every test that needs it)."""
-
-    def __init__(self, root: Path, model_dir: Path, base_args, pair_args):
-        self.root, self.model_dir, self.done = root, model_dir, {}
-        self.base_args, self.pair_args = base_args, pair_args
-
-    def dpo(self, backend: str) -> Path:
-        """DPO with LoRA (reference = the policy with adapters off), 6 steps of 8 pairs, eval at 0, 3, 6."""
-        name = f"dpo_{backend}"
-        if name not in self.done:
-            args = [*self.pair_args("dpo"), f"model.name_or_path={self.model_dir}", "peft=lora", "peft.r=4",
-                    "peft.alpha=8", "optim.lr=1e-2", *BACKENDS[backend], f"output_dir={self.root / name}"]
-            self.done[name] = run_cli(args, nproc=2)
-        assert_ok(self.done[name])
-        return self.root / name
-
-    def __call__(self, backend: str, *extra: str, tag: str = "") -> Path:
-        name = f"{backend}{tag}"
-        if name not in self.done:
-            args = self.base_args(self.model_dir, self.root / name, *COMMON, *BACKENDS[backend], *extra)
-            self.done[name] = run_cli(args, nproc=2)
-        assert_ok(self.done[name])
-        return self.root / name
+DPO_LORA = ["peft=lora", "peft.r=4", "peft.alpha=8", "optim.lr=1e-2"]  # after the pair run's arguments
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory, base_args, pair_args) -> Runs:
-    return Runs(tmp_path_factory.mktemp("lora"), tiny_model_dir, base_args, pair_args)
+def runs(tiny_model_dir, tmp_path_factory, base_args, pair_args):
+    """Every run of the module, up front, in one 2-rank launch (tests/dist/workers/batched_runs.py): BACKEND (SFT),
+    BACKEND_resumed (from BACKEND's step 3, after every straight run) and dpo_BACKEND (DPO with LoRA, the reference
+    the policy with adapters off, 6 steps of 8 pairs, eval at 0, 3, 6). -> `runs(name)`: the run's folder, finished."""
+    root = tmp_path_factory.mktemp("lora")
+
+    def sft(name: str, backend: str, *extra: str) -> dict:
+        return {"out": root / name, "args": base_args(tiny_model_dir, root / name, *COMMON, *BACKENDS[backend], *extra)}
+
+    def dpo(backend: str) -> dict:
+        return {"out": root / f"dpo_{backend}", "args": [*pair_args("dpo"), f"model.name_or_path={tiny_model_dir}",
+                                                         *DPO_LORA, *BACKENDS[backend]]}
+
+    batch = [*(sft(backend, backend) for backend in BACKENDS), *(dpo(backend) for backend in ("ddp", "zero3", "fsdp2"))]
+    batch += [sft(f"{backend}_resumed", backend, f"resume={root / backend}/checkpoints/step_3") for backend in BACKENDS]
+    output = run_batch(root, "lora", batch, nproc=2)
+
+    def finished(name: str) -> Path:
+        assert any(root.glob(f"{name}.rank*.log")), f"{name} never started (its launch died):\n{output[-3000:]}"
+        return assert_batch_ok(root / name)
+
+    return finished
 
 
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
@@ -71,11 +67,11 @@ def test_parity_with_ddp(runs, backend, assert_close_series):
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_bitwise_resume(runs, backend):
-    """6 steps straight vs the step-3 checkpoint (adapters and their optimizer state only) resumed in fresh
-    processes: identical. The base is rebuilt from its source; the adapters come back on every rank (FSDP2:
-    each rank's shard; a rank left with B = 0 or its seeded A would change step 4)."""
-    straight = runs(backend)
-    resumed = runs(backend, f"resume={straight}/checkpoints/step_3", tag="_resumed")
+    """6 steps straight vs the step-3 checkpoint (adapters and their optimizer state only) resumed in a later run
+    (after every straight run of the launch: nothing of the straight run is left in the process): identical. The
+    base is rebuilt from its source; the adapters come back on every rank (FSDP2: each rank's shard; a rank left
+    with B = 0 or its seeded A would change step 4)."""
+    straight, resumed = runs(backend), runs(f"{backend}_resumed")
     reference, continued = read_metrics(straight)[0], read_metrics(resumed)[0]
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[3:]]
@@ -137,9 +133,8 @@ def test_dpo_reference_by_adapter_switch(runs, backend, assert_close_series):
     checkpoint, no engine of its own); step 1's loss is ln 2 with rewards 0, the policy moves away after, and
     ZeRO-3 (the view's forward gathers through the policy's engine) and FSDP2 match DDP (loss, grad norm, eval
     loss) to 1e-5."""
-    run_dir = runs.dpo(backend)
-    assert "reference: the policy with adapters disabled (no second copy of the base)" in \
-        runs.done[f"dpo_{backend}"].stderr
+    run_dir = runs(f"dpo_{backend}")
+    assert "reference: the policy with adapters disabled (no second copy of the base)" in batch_log(run_dir)
     train, evals = read_metrics(run_dir)
     first = train[0]
     assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0 and first["reward_accuracy"] == 0
@@ -149,7 +144,7 @@ def test_dpo_reference_by_adapter_switch(runs, backend, assert_close_series):
     assert json.loads((reference_dir / "frozen.json").read_text())["adapter_off_of"] == "policy"
     assert not any(k.startswith("reference_memory") for r in train for k in r)
     if backend != "ddp":
-        reference_train, reference_evals = read_metrics(runs.dpo("ddp"))
+        reference_train, reference_evals = read_metrics(runs("dpo_ddp"))
         for key in ("loss", "grad_norm"):
             assert_close_series(train, reference_train, key, 1e-6, 1e-5)
         assert_close_series(evals, reference_evals, "eval_loss", 1e-6, 1e-5)
@@ -167,7 +162,7 @@ def test_planned_model_state_bytes_count_the_base_as_weights_only(runs, backend,
 
     run_dir = runs(backend)
     trainable, total = map(int, re.search(r"lora: (\d+) trainable parameters of (\d+)",
-                                          runs.done[backend].stderr).groups())
+                                          batch_log(run_dir)).groups())
     planned = planned_state_bytes(trainable=trainable, frozen=total - trainable, stage=stage, dp=2,
                                   mixed_precision=False,
                                   frozen_elem_bytes=frozen_elem_bytes(BACKENDS[backend].frozen_in_compute_dtype, False))

@@ -4,8 +4,8 @@ sequence parallelism (backend.sp=2: both ranks share every packed row of pairs, 
 
 Every pair run loads the same saved tiny Llama (the reward head, missing from it, comes from the seeded init),
 trains 6 steps of 8 pairs (micro 2 pairs × accumulation 2 × 2 ranks) in fp32 and saves at step 3 (the `pair_args`
-fixture, tests/dist/conftest.py, shared with test_lora.py). Each named run runs once, on first use, and serves
-several tests.
+fixture, tests/dist/conftest.py, shared with test_lora.py). Every run of the module runs once, up front, in one
+launch per rank count (tests/dist/workers/batched_runs.py: 1 process, 2 ranks, 4 ranks), and serves several tests.
 """
 
 from __future__ import annotations
@@ -17,53 +17,77 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_batch_ok, batch_log, read_metrics, run_batch
 
 pytestmark = pytest.mark.dist
 
 DATA = REPO / "llmtrain" / "assets" / "data"
 BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
+STAGES = ("rm", "dpo", "simpo", "orpo")
 FROM_CONFIG = ["recipe=sft_tiny", "trainer.max_steps=1", "trainer.eval_every_n_steps=1", "trainer.save_every_n_steps=0",
                "model.dropout=0.0", "trainer.seed=5"]
-
-
-class Runs:
-    def __init__(self, root: Path, model_dir: Path, eval_file: Path, pair_args):
-        self.root, self.model_dir, self.eval_file, self.pair_args, self.done = root, model_dir, eval_file, pair_args, {}
-
-    def pair(self, stage: str, backend: str, *extra: str, tag: str = "", nproc: int = 2) -> Path:
-        name = f"{stage}_{backend}{tag}"
-        if name not in self.done:
-            args = [*self.pair_args(stage), f"model.name_or_path={self.model_dir}", *BACKENDS[backend], *extra,
-                    f"output_dir={self.root / name}"]
-            self.done[name] = run_cli(args, nproc=nproc)
-        assert_ok(self.done[name])
-        return self.root / name
-
-    def from_config(self, backend: str, nproc: int) -> Path:
-        name = f"from_config_{backend}_{nproc}"
-        if name not in self.done:
-            args = [*FROM_CONFIG, *BACKENDS[backend], f"data.eval_files=[{self.eval_file}]",
-                    f"trainer.micro_batch_size={8 // nproc}", f"output_dir={self.root / name}"]
-            self.done[name] = run_cli(args, nproc=nproc)
-        assert_ok(self.done[name])
-        return self.root / name
+FROM_CONFIG_RUNS = {"single": ("ddp", 1), "ddp": ("ddp", 2), "zero3": ("zero3", 2), "fsdp2": ("fsdp2", 2)}
+# test_parity_with_ddp's (backend, stage) pairs (its docstring says why not all twelve)
+PARITY = [("zero2", "dpo"), ("zero3", "rm"), ("zero3", "dpo"), ("zero3", "simpo"), ("zero3", "orpo"), ("fsdp2", "rm"),
+          ("fsdp2", "dpo"), ("fsdp2", "orpo")]
+SP2 = ("backend.sp=2", "trainer.micro_batch_size=4")  # dp 1: the same 8 pairs a step as dp 2 × micro 2
+SP_RUNS = {  # tag -> (stage, backend, overrides, ranks)
+    "rm_zero2": ("rm", "zero2", SP2, 2),
+    "dpo_fsdp2": ("dpo", "fsdp2", SP2, 2),
+    # the reference's log-probs computed once, before training, on sequence shards (stages/reference_cache.py)
+    "dpo_zero2_precomputed": ("dpo", "zero2", (*SP2, "dpo.precompute_ref_logps=true"), 2),
+    "orpo_zero3_dp2": ("orpo", "zero3", ("backend.sp=2",), 4),  # 4 ranks: dp 2 × sp 2, micro 2 as DDP's
+}
+PAIR_RUNS = {  # name -> (stage, backend, overrides, ranks)
+    **{f"{stage}_ddp": (stage, "ddp", (), 2) for stage in STAGES},
+    **{f"{stage}_{backend}": (stage, backend, (), 2) for backend, stage in PARITY},
+    **{f"{stage}_fsdp2_full_logits": (stage, "fsdp2", ("model.fused_loss=off",), 2) for stage in ("dpo", "orpo")},
+    "dpo_zero3_precomputed": ("dpo", "zero3", ("dpo.precompute_ref_logps=true",), 2),
+    **{f"{tag}_sp2": spec for tag, spec in SP_RUNS.items()},
+}
+# runs resumed from their step-3 checkpoint into NAME_resumed, in the same launch after every straight run
+RESUMED = ("rm_fsdp2", "dpo_ddp", "dpo_zero3", "dpo_fsdp2", "simpo_zero3", "orpo_fsdp2", "dpo_zero3_precomputed")
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory, pair_args) -> Runs:
+def runs(tiny_model_dir, tmp_path_factory, pair_args):
+    """Every run of the module, up front: one launch per rank count. -> `runs(name)`: the run's folder, finished."""
     root = tmp_path_factory.mktemp("preference")
     eval_file = root / "eval.jsonl"
     eval_file.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(True)[:32]))
-    return Runs(root, tiny_model_dir, eval_file, pair_args)
+    launches: dict[int, list[dict]] = {}
+
+    def add(name: str, ranks: int, args: list[str]) -> None:
+        launches.setdefault(ranks, []).append({"out": root / name, "args": args})
+
+    def pair(name: str, *extra: str) -> list[str]:
+        stage, backend, overrides, _ = PAIR_RUNS[name]
+        return [*pair_args(stage), f"model.name_or_path={tiny_model_dir}", *BACKENDS[backend], *overrides, *extra]
+
+    for name, (*_, ranks) in PAIR_RUNS.items():
+        add(name, ranks, pair(name))
+    for name in RESUMED:
+        add(f"{name}_resumed", PAIR_RUNS[name][3], pair(name, f"resume={root / name}/checkpoints/step_3"))
+    for name, (backend, ranks) in FROM_CONFIG_RUNS.items():
+        add(f"from_config_{name}", ranks, [*FROM_CONFIG, *BACKENDS[backend], f"data.eval_files=[{eval_file}]",
+                                           f"trainer.micro_batch_size={8 // ranks}"])
+    outputs = {ranks: run_batch(root, f"ranks{ranks}", batch, nproc=ranks) for ranks, batch in launches.items()}
+
+    def finished(name: str) -> Path:
+        assert any(root.glob(f"{name}.rank*.log")), \
+            f"{name} never started (its launch died):\n" + "\n".join(out[-3000:] for out in outputs.values())
+        return assert_batch_ok(root / name)
+
+    return finished
 
 
-@pytest.mark.parametrize("stage", ["rm", "dpo", "simpo", "orpo"])
-@pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize("backend, stage", PARITY)
 def test_parity_with_ddp(runs, stage, backend, assert_close_series):
     """Loss, grad norm and every logged statistic per step within 1e-5 relative of DDP (the first step 1e-6),
-    and the step-0 and later evals: the seeded reward head is the same on every backend."""
-    reference, ours = read_metrics(runs.pair(stage, "ddp")), read_metrics(runs.pair(stage, backend))
+    and the step-0 and later evals: the seeded reward head is the same on every backend. Not all twelve pairs:
+    ZeRO-2 by DPO only (test_sp2_equals_ddp's rm_zero2 and dpo_zero2_precomputed compare ZeRO-2 with DDP too), and
+    SimPO on ZeRO-3 only (FSDP2 by RM, DPO and ORPO); every stage and backend keeps a parity check with DDP."""
+    reference, ours = read_metrics(runs(f"{stage}_ddp")), read_metrics(runs(f"{stage}_{backend}"))
     assert [r["pairs"] for r in ours[0]] == [r["pairs"] for r in reference[0]] == [8] * 6
     assert [r["lr"] for r in ours[0]] == [r["lr"] for r in reference[0]]
     for key in ("loss", "grad_norm"):
@@ -81,8 +105,8 @@ def test_the_fused_head_equals_full_logits_under_fsdp2(runs, stage, assert_close
     """Sequence log-probs from the fused head (each chunk's logits recomputed in backward) against model.fused_loss=off
     on FSDP2 (the root's head weight unsharded for the forward): every step's loss, grad norm and eval within 1e-6
     relative on the first step, 1e-5 after."""
-    fused = read_metrics(runs.pair(stage, "fsdp2"))
-    full = read_metrics(runs.pair(stage, "fsdp2", "model.fused_loss=off", tag="_full_logits"))
+    fused = read_metrics(runs(f"{stage}_fsdp2"))
+    full = read_metrics(runs(f"{stage}_fsdp2_full_logits"))
     for key in ("loss", "grad_norm", "reward_margin"):
         assert_close_series(fused[0], full[0], key, 1e-6, 1e-5, atol=1e-7 if key == "reward_margin" else 0.0)
     assert_close_series(fused[1], full[1], "eval_loss", 1e-6, 1e-5)
@@ -92,7 +116,7 @@ def test_the_fused_head_equals_full_logits_under_fsdp2(runs, stage, assert_close
 def test_dpo_starts_at_ln2_with_a_frozen_reference_that_saves_no_state(runs, backend):
     """Policy and frozen reference start from the same weights: step 1's loss is ln 2 and its implied rewards 0
     on every backend; the reference's checkpoint is a pointer, not weights or optimizer state."""
-    run_dir = runs.pair("dpo", backend)
+    run_dir = runs(f"dpo_{backend}")
     first = read_metrics(run_dir)[0][0]
     assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0 and first["reward_accuracy"] == 0
     reference_dir = run_dir / "checkpoints" / "step_3" / "engines" / "reference"
@@ -104,10 +128,10 @@ def test_dpo_starts_at_ln2_with_a_frozen_reference_that_saves_no_state(runs, bac
 @pytest.mark.parametrize("stage, backend", [("rm", "fsdp2"), ("dpo", "ddp"), ("dpo", "zero3"), ("dpo", "fsdp2"),
                                             ("simpo", "zero3"), ("orpo", "fsdp2")])
 def test_bitwise_resume(runs, stage, backend):
-    """6 steps straight vs the step-3 checkpoint resumed in fresh processes: identical losses and statistics
-    (frozen roles are rebuilt from their source, the stage's state comes back from stage.json)."""
-    straight = runs.pair(stage, backend)
-    resumed = runs.pair(stage, backend, f"resume={straight}/checkpoints/step_3", tag="_resumed")
+    """6 steps straight vs the step-3 checkpoint resumed in a later run (after every straight run of the launch:
+    nothing of the straight run is left in the process): identical losses and statistics (frozen roles are rebuilt
+    from their source, the stage's state comes back from stage.json)."""
+    straight, resumed = runs(f"{stage}_{backend}"), runs(f"{stage}_{backend}_resumed")
     reference, continued = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in continued[0]] == [4, 5, 6]
     assert [_logged(r) for r in continued[0]] == [_logged(r) for r in reference[0][3:]]
@@ -125,8 +149,8 @@ def test_precomputed_reference_logps_train_as_the_live_reference_and_resume_bitw
     saw other batch shapes), the table beside the run, no reference engine in the checkpoints; resumed at step 3 into
     another folder it reads the table beside the resumed run (no reference built, nothing recomputed), keeps a copy
     and continues bit for bit."""
-    live = read_metrics(runs.pair("dpo", "zero3"))
-    straight = runs.pair("dpo", "zero3", "dpo.precompute_ref_logps=true", tag="_precomputed")
+    live = read_metrics(runs("dpo_zero3"))
+    straight = runs("dpo_zero3_precomputed")
     cached = read_metrics(straight)
     for key in ("loss", "grad_norm", "reward_margin"):
         assert_close_series(cached[0], live[0], key, 1e-6, 1e-6, atol=1e-7)
@@ -134,24 +158,13 @@ def test_precomputed_reference_logps_train_as_the_live_reference_and_resume_bitw
     table = torch.load(straight / "ref_logps.pt", weights_only=True)
     assert table["meta"]["averaged"] is False and len(table["table"]) >= 32  # the 32 eval pairs, and the trained
     assert sorted(p.name for p in (straight / "checkpoints" / "step_3" / "engines").iterdir()) == ["policy"]
-    log = runs.done["dpo_zero3_precomputed"].stdout + runs.done["dpo_zero3_precomputed"].stderr
+    log = batch_log(straight)
     assert "reference log-probs of" in log and "the reference role is released" in log
-    resumed = runs.pair("dpo", "zero3", "dpo.precompute_ref_logps=true", f"resume={straight}/checkpoints/step_3",
-                        tag="_precomputed_resumed")
-    resumed_log = runs.done["dpo_zero3_precomputed_resumed"].stdout + runs.done["dpo_zero3_precomputed_resumed"].stderr
+    resumed = runs("dpo_zero3_precomputed_resumed")
+    resumed_log = batch_log(resumed)
     assert "reference log-probs of" not in resumed_log and (resumed / "ref_logps.pt").is_file()  # read, kept
     continued = read_metrics(resumed)
     assert [_logged(r) for r in continued[0]] == [_logged(r) for r in cached[0][3:]]
-
-
-SP2 = ("backend.sp=2", "trainer.micro_batch_size=4")  # dp 1: the same 8 pairs a step as dp 2 × micro 2
-SP_RUNS = {  # tag -> (stage, backend, overrides, ranks)
-    "rm_zero2": ("rm", "zero2", SP2, 2),
-    "dpo_fsdp2": ("dpo", "fsdp2", SP2, 2),
-    # the reference's log-probs computed once, before training, on sequence shards (stages/reference_cache.py)
-    "dpo_zero2_precomputed": ("dpo", "zero2", (*SP2, "dpo.precompute_ref_logps=true"), 2),
-    "orpo_zero3_dp2": ("orpo", "zero3", ("backend.sp=2",), 4),  # 4 ranks: dp 2 × sp 2, micro 2 as DDP's
-}
 
 
 @pytest.mark.parametrize("tag", list(SP_RUNS))
@@ -162,9 +175,8 @@ def test_sp2_equals_ddp(runs, tag, assert_close_series):
     relative (1e-6 on the first step), and the evaluations at steps 0, 3 and 6 (sharded too). DPO's frozen reference
     is sharded the same way, live or precomputed: step 1 is ln 2 with zero implied rewards. ORPO on ZeRO-3 runs
     dp 2 × sp 2 on 4 ranks (ZeRO partitions over all 4, the loss sums over dp × sp)."""
-    stage, backend, overrides, nproc = SP_RUNS[tag]
-    reference = read_metrics(runs.pair(stage, "ddp"))
-    ours = read_metrics(runs.pair(stage, backend, *overrides, tag=f"_{tag}_sp2", nproc=nproc))
+    stage = SP_RUNS[tag][0]
+    reference, ours = read_metrics(runs(f"{stage}_ddp")), read_metrics(runs(f"{tag}_sp2"))
     assert [r["pairs"] for r in ours[0]] == [r["pairs"] for r in reference[0]] == [8] * 6
     assert [r["lr"] for r in ours[0]] == [r["lr"] for r in reference[0]]
     for key in ("loss", "grad_norm"):
@@ -189,8 +201,6 @@ def _logged(record: dict) -> dict:
 def test_random_init_is_the_same_on_every_backend_and_world_size(runs):
     """model.from_config (seed 5): the step-0 eval loss, a function of every weight, is the same on 1 process,
     2-rank DDP, ZeRO-3 (built under zero.Init) and FSDP2 (rank 0 builds, the others on meta)."""
-    losses = {name: read_metrics(runs.from_config(backend, nproc))[1][0]["eval_loss"]
-              for name, (backend, nproc) in {"single": ("ddp", 1), "ddp": ("ddp", 2), "zero3": ("zero3", 2),
-                                             "fsdp2": ("fsdp2", 2)}.items()}
+    losses = {name: read_metrics(runs(f"from_config_{name}"))[1][0]["eval_loss"] for name in FROM_CONFIG_RUNS}
     for _name, loss in losses.items():
         assert abs(loss - losses["single"]) <= 1e-6 * losses["single"], losses
