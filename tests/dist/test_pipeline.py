@@ -32,7 +32,8 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
 - live memory (steps 1-2, every rank its own): the saved tensors alive at once over the micro-batches in flight, within
   15 % of the pp rank's plan, with the plan's chunks in flight (gpipe 4, 1f1b 2 and 1, interleaved 5 and 3); the
   planned model states per pp rank (first and last differ) equal each rank's ledger and the planner's lines.
-Runs are cached per module: each torchrun launch serves several assertions.
+Every run of the module runs once, before its tests, several per launch (tests/dist/workers/batched_runs.py): one
+launch per process count (1, 2, 4 ranks), and a second one-process launch for the run resumed from a pp=2 checkpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_batch_ok, batch_log, read_metrics, run_batch
 
 pytestmark = pytest.mark.dist
 
@@ -88,43 +89,73 @@ PAIR_RUNS = {
 }
 
 
+# resumed runs: name -> (the run whose settings it takes, the run whose checkpoint it loads, the checkpoint's step)
+RESUMED = {"1f1b_resumed": ("1f1b", "1f1b", 3), "one_from_1f1b": ("one", "1f1b", 3),
+           "1f1b_from_one": ("1f1b", "one", 3), "1f1b_tied_from_one_tied": ("1f1b_tied", "one_tied", 3),
+           "dpo_gpipe_resumed": ("dpo_gpipe", "dpo_gpipe", 2)}
+
+
+def _head(root: Path, name: str, lines: int) -> Path:
+    """The first `lines` examples of a shipped data file."""
+    path = root / name
+    path.write_text("".join((DATA / name).read_text().splitlines(True)[:lines]))
+    return path
+
+
+def _all_runs(root: Path, model_dir: Path) -> dict[str, tuple[int, list[str]]]:
+    """name -> (processes, arguments) of every run of the module (RUNS, PAIR_RUNS, then RESUMED)."""
+    # 64 training pairs (4 steps use 32) and 32 held-out ones: DPO's reference pass over all of them before step 1
+    # and the evals run through the stages without dominating the run
+    train, held_out = _head(root, "reverse_prefs_train.jsonl", 64), _head(root, "reverse_prefs_eval.jsonl", 32)
+    pairs = [f"model.name_or_path={model_dir}", f"data.train_files=[{train}]", f"data.eval_files=[{held_out}]"]
+    runs = {name: (processes, [*BASE, *overrides]) for name, (processes, overrides) in RUNS.items()}
+    runs.update({name: (processes, [*PAIRS, *overrides, *pairs]) for name, (processes, overrides) in PAIR_RUNS.items()})
+    for name, (settings, source, step) in RESUMED.items():
+        processes, args = runs[settings]
+        runs[name] = (processes, [*args, f"resume={root / source}/checkpoints/step_{step}"])
+    return runs
+
+
+def _launches(runs: dict[str, tuple[int, list[str]]]) -> list[tuple[int, list[str]]]:
+    """(processes, run names) per launch: one per process count, a resumed run after the run it loads; a run whose
+    checkpoint comes from a later launch (one_from_1f1b) waits for a second launch of its count."""
+    launches, done, pending = [], set(), list(runs)
+    while pending:
+        for processes in sorted({runs[name][0] for name in pending}):
+            batch = []
+            for name in pending:
+                source = RESUMED.get(name, (None, None))[1]
+                if runs[name][0] == processes and (source is None or source in done or source in batch):
+                    batch.append(name)
+            if batch:
+                launches.append((processes, batch))
+                done.update(batch)
+                pending = [name for name in pending if name not in done]
+    return launches
+
+
 class Runs:
-    def __init__(self, root: Path, model_dir: Path | None = None):
-        self.root, self.done, self.logs, self.model_dir = root, {}, {}, model_dir
+    """Every run of the module, run by the fixture; `runs(name)` is its folder once it finished, `runs.log(name)` its
+    output (every rank)."""
 
-    def get(self, name: str, *extra: str, nproc: int | None = None, key: str | None = None) -> Path:
-        processes, overrides = RUNS[name]
-        return self._run(key or name, [*BASE, *overrides, *extra], nproc or processes)
+    def __init__(self, root: Path):
+        self.root = root
 
-    def pairs(self, name: str, *extra: str, key: str | None = None) -> Path:
-        processes, overrides = PAIR_RUNS[name]
-        # 64 training pairs (4 steps use 32) and 32 held-out ones: DPO's reference pass over all of them before step 1
-        # and the evals run through the stages without dominating the run
-        train, held_out = (self._head(f"reverse_prefs_{part}.jsonl", lines) for part, lines in (("train", 64),
-                                                                                                ("eval", 32)))
-        args = [*PAIRS, *overrides, f"model.name_or_path={self.model_dir}", f"data.train_files=[{train}]",
-                f"data.eval_files=[{held_out}]", *extra]
-        return self._run(key or name, args, processes)
+    def __call__(self, name: str) -> Path:
+        return assert_batch_ok(self.root / name)
 
-    def _head(self, name: str, lines: int) -> Path:
-        """The first `lines` examples of a shipped data file, written once."""
-        path = self.root / name
-        if not path.exists():
-            path.write_text("".join((DATA / name).read_text().splitlines(True)[:lines]))
-        return path
-
-    def _run(self, key: str, args: list[str], nproc: int) -> Path:
-        if key not in self.done:
-            out = self.root / key
-            result = run_cli([*args, f"output_dir={out}"], nproc=nproc)
-            assert_ok(result)
-            self.done[key], self.logs[key] = out, result.stdout + result.stderr
-        return self.done[key]
+    def log(self, name: str) -> str:
+        return batch_log(self.root / name)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir) -> Runs:
-    return Runs(tmp_path_factory.mktemp("pp_runs"), tiny_model_dir)
+    """All the module's runs, several per launch (tests/dist/workers/batched_runs.py): 4 launches instead of 22."""
+    root = tmp_path_factory.mktemp("pp_runs")
+    spec = _all_runs(root, tiny_model_dir)
+    for i, (processes, names) in enumerate(_launches(spec)):
+        run_batch(root, f"launch{i}", [{"out": root / name, "args": spec[name][1]} for name in names], processes)
+    return Runs(root)
 
 
 def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) -> None:
@@ -138,13 +169,13 @@ def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) 
                                             ("gpipe_packed", "one_packed"), ("dp2_pp2", "one"),
                                             ("1f1b_tied", "one_tied"), ("pp2_tp2", "one")])
 def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
-    assert_parity(read_metrics(runs.get(name))[0], read_metrics(runs.get(reference))[0], assert_close_series)
+    assert_parity(read_metrics(runs(name))[0], read_metrics(runs(reference))[0], assert_close_series)
 
 
 @pytest.mark.parametrize("name,reference", [("1f1b", "one"), ("interleaved", "one"), ("gpipe_packed", "one_packed"),
                                             ("dp2_pp2", "one"), ("zbv", "one")])
 def test_eval_through_the_pipeline_equals_one_process(runs, name, reference, assert_close_series):
-    ours, theirs = read_metrics(runs.get(name))[1], read_metrics(runs.get(reference))[1]
+    ours, theirs = read_metrics(runs(name))[1], read_metrics(runs(reference))[1]
     assert [r["step"] for r in ours] == [0, 3, 6] == [r["step"] for r in theirs]
     assert [(r["eval_tokens"], r["eval_accuracy"]) for r in ours] == [(r["eval_tokens"], r["eval_accuracy"])
                                                                       for r in theirs]
@@ -152,21 +183,20 @@ def test_eval_through_the_pipeline_equals_one_process(runs, name, reference, ass
 
 
 def test_split_is_logged(runs):
-    runs.get("1f1b")
-    assert "pp rank 0: stage 0: embed + blocks 0-1" in runs.logs["1f1b"]
-    assert "pp rank 1: stage 1: blocks 2-3 + norm + head" in runs.logs["1f1b"]
-    runs.get("interleaved")
+    runs("1f1b")
+    assert "pp rank 0: stage 0: embed + blocks 0-1" in runs.log("1f1b")
+    assert "pp rank 1: stage 1: blocks 2-3 + norm + head" in runs.log("1f1b")
+    runs("interleaved")
     for line in ("pp rank 0: stage 0: embed + block 0", "pp rank 1: stage 1: block 1", "pp rank 0: stage 2: block 2",
                  "pp rank 1: stage 3: block 3 + norm + head"):
-        assert line in runs.logs["interleaved"]
-    runs.get("zbv")
-    assert "pp rank 1: stage 2: block 2" in runs.logs["zbv"] and "pp rank 0: stage 3: block 3 + norm + head" in \
-        runs.logs["zbv"]
+        assert line in runs.log("interleaved")
+    runs("zbv")
+    assert "pp rank 1: stage 2: block 2" in runs.log("zbv") and "pp rank 0: stage 3: block 3 + norm + head" in \
+        runs.log("zbv")
 
 
 def test_bitwise_resume_at_pp2(runs):
-    straight = runs.get("1f1b")
-    resumed = runs.get("1f1b", f"resume={straight}/checkpoints/step_3", key="1f1b_resumed")
+    straight, resumed = runs("1f1b"), runs("1f1b_resumed")  # from straight's step 3 (RESUMED)
     continued, reference = read_metrics(resumed)[0], read_metrics(straight)[0][3:]
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert [(r["loss"], r["grad_norm"]) for r in continued] == [(r["loss"], r["grad_norm"]) for r in reference]
@@ -174,8 +204,7 @@ def test_bitwise_resume_at_pp2(runs):
 
 @pytest.mark.parametrize("source,name", [("1f1b", "one"), ("one", "1f1b"), ("one_tied", "1f1b_tied")])
 def test_checkpoints_reshard_between_pp2_and_one_process(runs, source, name, assert_close_series):
-    straight = runs.get(source)
-    resumed = runs.get(name, f"resume={straight}/checkpoints/step_3", key=f"{name}_from_{source}")
+    straight, resumed = runs(source), runs(f"{name}_from_{source}")  # from straight's step 3 (RESUMED)
     continued = read_metrics(resumed)[0]
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert_close_series(continued, read_metrics(straight)[0][3:], "loss", 1e-5, 1e-5)
@@ -186,8 +215,8 @@ def test_hf_export_is_the_whole_model(runs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    ours = AutoModelForCausalLM.from_pretrained(runs.get("1f1b") / "hf").state_dict()
-    reference = AutoModelForCausalLM.from_pretrained(runs.get("one") / "hf").state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(runs("1f1b") / "hf").state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(runs("one") / "hf").state_dict()
     assert sorted(ours) == sorted(reference) and any(".layers.3." in key for key in ours)
     for key, value in reference.items():
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-5, msg=key)
@@ -201,7 +230,7 @@ def test_mfu_counts_each_ranks_share_of_a_tokens_flops(runs, name, peers):
 
     from llmtrain.compose import compose_config
 
-    run = runs.get(name)
+    run = runs(name)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(run / "hf").parameters())
     config = AutoConfig.from_pretrained(run / "hf")
     seq = compose_config([*BASE, *RUNS[name][1]]).data.max_seq_len
@@ -224,7 +253,7 @@ PAIR_EVAL = {"rm": ("eval_loss", "eval_margin", "eval_reward_mean", "eval_reward
 @pytest.mark.parametrize("name,reference", [("rm_1f1b", "rm_one"), ("dpo_gpipe", "dpo_one"), ("orpo_1f1b", "orpo_one"),
                                             ("dpo_dp2_pp2", "dpo_one")])
 def test_pair_stages_through_the_pipeline_equal_one_process(runs, name, reference, assert_close_series):
-    (ours, our_evals), (theirs, their_evals) = read_metrics(runs.pairs(name)), read_metrics(runs.pairs(reference))
+    (ours, our_evals), (theirs, their_evals) = read_metrics(runs(name)), read_metrics(runs(reference))
     stage = name.split("_")[0]
     assert [r["step"] for r in ours] == [1, 2, 3, 4] and [r["pairs"] for r in ours] == [8] * 4
     assert_close_series(ours, theirs, "loss", 1e-6, 1e-5)
@@ -241,16 +270,15 @@ def test_pair_stages_through_the_pipeline_equal_one_process(runs, name, referenc
 def test_dpo_reference_comes_from_the_policys_own_pipeline(runs):
     """The reference log-probs, precomputed through the stages before step 1, equal the policy's first training
     forward bit for bit: step 1's rewards are exactly 0 and its loss is ln 2 (in float32)."""
-    run = runs.pairs("dpo_gpipe")
+    run = runs("dpo_gpipe")
     first = read_metrics(run)[0][0]
     assert (first["reward_chosen"], first["reward_rejected"], first["reward_margin"]) == (0.0, 0.0, 0.0)
     assert abs(first["loss"] - math.log(2)) < 1e-7
-    assert (run / "ref_logps.pt").is_file() and "the reference role is released" in runs.logs["dpo_gpipe"]
+    assert (run / "ref_logps.pt").is_file() and "the reference role is released" in runs.log("dpo_gpipe")
 
 
 def test_dpo_bitwise_resume_at_pp2(runs):
-    straight = runs.pairs("dpo_gpipe")
-    resumed = runs.pairs("dpo_gpipe", f"resume={straight}/checkpoints/step_2", key="dpo_gpipe_resumed")
+    straight, resumed = runs("dpo_gpipe"), runs("dpo_gpipe_resumed")  # from straight's step 2 (RESUMED)
     continued, reference = read_metrics(resumed)[0], read_metrics(straight)[0][2:]
     assert [r["step"] for r in continued] == [3, 4]
     assert [(r["loss"], r["grad_norm"], r["reward_margin"]) for r in continued] == \
@@ -265,7 +293,7 @@ P2P = {"1f1b": ([4, 0], 2), "interleaved": ([8, 4], 2), "rm_1f1b": ([4, 0], 1)}
 
 @pytest.mark.parametrize("name", list(P2P))
 def test_counted_p2p_bytes_are_the_planners(runs, name):
-    run = runs.pairs(name) if name in PAIR_RUNS else runs.get(name)
+    run = runs(name)
     forward_sends, rows = P2P[name]
     for record in read_metrics(run)[0][:2]:
         plan = record["plan_comm_p2p_payload"]
@@ -280,8 +308,8 @@ def test_reward_model_export_is_the_whole_sequence_classifier(runs):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    ours = AutoModelForSequenceClassification.from_pretrained(runs.pairs("rm_1f1b") / "hf")
-    theirs = AutoModelForSequenceClassification.from_pretrained(runs.pairs("rm_one") / "hf")
+    ours = AutoModelForSequenceClassification.from_pretrained(runs("rm_1f1b") / "hf")
+    theirs = AutoModelForSequenceClassification.from_pretrained(runs("rm_one") / "hf")
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) and "score.weight" in ours.state_dict()
     for key, value in theirs.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[key], value, rtol=0, atol=1e-5, msg=key)
@@ -305,7 +333,7 @@ def test_live_activations_are_each_pp_ranks_own(runs, name):
     micro-batches in flight), > 0 and within 15 % of its pp rank's plan at the micro-batch's shape (measured −5.3 %
     to +9.1 %, the packed pair rows' first stage the highest); the chunks in flight at the measured peak are the
     plan's, and the schedules differ as they should."""
-    run = runs.pairs(name) if name in PAIR_RUNS else runs.get(name)
+    run = runs(name)
     chunks, rows = IN_FLIGHT[name]
     for record in read_metrics(run)[0][:2]:
         for rank, planned_chunks in enumerate(chunks):
@@ -322,7 +350,7 @@ def test_zero_bubble_live_activations_stay_under_the_planned_bound(runs, name):
     every chunk of the step; each rank measures no more than that bound, and not far under it (measured 51-77 % of
     it; under zb all 4 of the last stage's chunks alive at once)."""
     ranks, chunks = ZERO_BUBBLE_RUNS[name]
-    for record in read_metrics(runs.get(name))[0][:2]:
+    for record in read_metrics(runs(name))[0][:2]:
         for rank in range(ranks):
             measured, bound = record[f"memory_r{rank}_activations"], record[f"memory_r{rank}_plan_activations"]
             assert 0.4 * bound < measured <= bound, (rank, measured, bound)
@@ -338,7 +366,7 @@ def test_plan_state_is_each_pp_ranks_own_and_the_planners_line(runs, name):
     from llmtrain.compose import compose_config
     from llmtrain.plan import plan_text
 
-    run = runs.pairs(name) if name in PAIR_RUNS else runs.get(name)
+    run = runs(name)
     first = read_metrics(run)[0][0]
     ranks = RUNS[name][0] if name in RUNS else PAIR_RUNS[name][0]
     states = [first[f"memory_r{rank}_plan_state"] for rank in range(ranks)]

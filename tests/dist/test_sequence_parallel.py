@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli
+from tests.helpers import PYTHON, REPO, assert_batch_ok, assert_ok, cli_env, read_metrics, run_batch
 
 pytestmark = pytest.mark.dist
 
@@ -44,26 +44,35 @@ RUNS = {  # name -> overrides; "ddp*" are the sp=1 references
     "fsdp2_sp2_tp2": ["backend=fsdp2", "backend.tp=2", *SP2, *PACKED],
 }
 NPROC = {"fsdp2_dp2_sp2": 4, "fsdp2_sp2_tp2": 4}
+SP1 = ["backend.sp=1", "trainer.micro_batch_size=4"]  # dp 2 × micro 4: the same global batch
+# resumed from the step-3 checkpoint of a run above: name -> (that run, overrides after its own)
+RESUMED = {"zero2_sp2_resumed": ("zero2_sp2", []), "zero2_sp2_as_sp1": ("zero2_sp2", SP1),
+           "fsdp2_sp2_as_sp1": ("fsdp2_sp2", SP1)}
 
 
 class Runs:
-    """Each named run once, on first use (a failed run fails every test that needs it)."""
+    """Every run of the module, run by the fixture; `runs(name)` is its folder once it finished."""
 
-    def __init__(self, root: Path, model_dir: Path, base_args):
-        self.root, self.model_dir, self.base_args, self.done = root, model_dir, base_args, {}
+    def __init__(self, root: Path):
+        self.root = root
 
-    def __call__(self, name: str, *extra: str, base: str | None = None) -> Path:
-        if name not in self.done:
-            out = self.root / name
-            self.done[name] = run_cli(self.base_args(self.model_dir, out, *COMMON, *RUNS[base or name], *extra),
-                                      nproc=NPROC.get(base or name, 2))
-        assert_ok(self.done[name])
-        return self.root / name
+    def __call__(self, name: str) -> Path:
+        return assert_batch_ok(self.root / name)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
-    return Runs(tmp_path_factory.mktemp("sequence_parallel"), tiny_model_dir, base_args)
+    """All the module's runs, several per launch (tests/dist/workers/batched_runs.py): the 2-rank ones (a resumed run
+    after the run it loads) in one launch, the 4-rank ones in another."""
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    spec = {name: (NPROC.get(name, 2), [*COMMON, *overrides]) for name, overrides in RUNS.items()}
+    for name, (source, overrides) in RESUMED.items():
+        spec[name] = (spec[source][0], [*spec[source][1], f"resume={root / source}/checkpoints/step_3", *overrides])
+    for processes in sorted({processes for processes, _ in spec.values()}):
+        batch = [{"out": root / name, "args": base_args(tiny_model_dir, root / name, *args)}
+                 for name, (n, args) in spec.items() if n == processes]
+        run_batch(root, f"{processes}_ranks", batch, processes)
+    return Runs(root)
 
 
 @pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked", "fsdp2_dp2_sp2",
@@ -100,9 +109,8 @@ def test_live_all_to_all_and_activations_match_the_plan(runs):
 
 
 def test_bitwise_resume_with_sp2(runs):
-    """6 steps straight vs the step-3 checkpoint resumed in fresh processes, both sp=2 on ZeRO-2: identical."""
-    straight = runs("zero2_sp2")
-    resumed = runs("zero2_sp2_resumed", f"resume={straight}/checkpoints/step_3", base="zero2_sp2")
+    """6 steps straight vs the step-3 checkpoint resumed by a new run, both sp=2 on ZeRO-2: identical."""
+    straight, resumed = runs("zero2_sp2"), runs("zero2_sp2_resumed")  # from straight's step 3 (RESUMED)
     reference, continued = read_metrics(straight)[0], read_metrics(resumed)[0]
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[3:]]
@@ -113,9 +121,7 @@ def test_bitwise_resume_with_sp2(runs):
 def test_checkpoint_loads_with_another_sp(runs, name, assert_close_series):
     """The step-3 checkpoint of an sp=2 run resumed at sp=1 (dp 2, micro 4: the same global batch) continues the
     straight sp=2 run within 1e-5 (ZeRO partitions over all ranks either way; FSDP2's DCP reshards)."""
-    straight = runs(name)
-    other = runs(f"{name}_as_sp1", f"resume={straight}/checkpoints/step_3", "backend.sp=1",
-                 "trainer.micro_batch_size=4", base=name)
+    straight, other = runs(name), runs(f"{name}_as_sp1")  # from straight's step 3 (RESUMED)
     reference, continued = read_metrics(straight)[0], read_metrics(other)[0]
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert_close_series(continued, reference[3:], "loss", 1e-6, 1e-5)
