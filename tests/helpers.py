@@ -51,11 +51,33 @@ def run_cli(args: list[str], *, nproc: int = 1, env: dict | None = None, timeout
                           cwd=cwd or REPO)
 
 
-def run_recipe(tmp_path_factory, recipe: str, *extra: str) -> Path:
-    """`python -m llmtrain recipe=RECIPE` as a user runs it, into a fresh folder (one run serves a module)."""
-    out = tmp_path_factory.mktemp(recipe)
-    assert_ok(run_cli([f"recipe={recipe}", *extra, f"output_dir={out}"], timeout=1200))
-    return out
+def run_cli_jobs(jobs: dict[str, dict], parallel: int = 2) -> dict[str, subprocess.CompletedProcess]:
+    """{name: run_cli's keyword arguments (args=..., env=..., timeout=...)} run PARALLEL at a time: one-process runs
+    use one CPU core each (OMP_NUM_THREADS=1), so two of them share this 2-core machine without slowing each other
+    much. -> {name: result}, each with its wall clock in `result.seconds`."""
+    from concurrent.futures import ThreadPoolExecutor
+    from time import perf_counter
+
+    def timed(job: dict) -> subprocess.CompletedProcess:
+        start = perf_counter()
+        result = run_cli(**job)
+        result.seconds = perf_counter() - start  # wall clock of the CLI process
+        return result
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {name: pool.submit(timed, job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def run_recipes(tmp_path_factory, recipes: list[str], *extra: str) -> dict[str, Path]:
+    """`python -m llmtrain recipe=RECIPE` as a user runs it, for each of RECIPES, each into a fresh folder (one run
+    serves a module), two at a time: {recipe: its run folder}."""
+    outs = {recipe: tmp_path_factory.mktemp(recipe) for recipe in recipes}
+    results = run_cli_jobs({recipe: {"args": [f"recipe={recipe}", *extra, f"output_dir={out}"], "timeout": 1200}
+                            for recipe, out in outs.items()})
+    for result in results.values():
+        assert_ok(result)
+    return outs
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:

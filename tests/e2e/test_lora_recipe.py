@@ -8,14 +8,30 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import assert_ok, read_metrics, run_cli, run_recipe
+from tests.helpers import assert_ok, read_metrics, run_cli_jobs
 
 pytestmark = pytest.mark.e2e
 
 
+SHORT = ["peft=lora", "trainer.max_steps=3", "trainer.eval_every_n_steps=3", "trainer.eval_batch_size=64"]
+
+
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    return run_recipe(tmp_path_factory, "lora_sft_tiny")
+def runs(tmp_path_factory) -> dict:
+    """The recipe as a user runs it, beside 3 steps of rm_tiny and of dpo_tiny with peft=lora (two at a time, one
+    CPU core each): {name: (run folder, result)}."""
+    root = tmp_path_factory.mktemp("lora_recipes")
+    jobs = {"lora_sft_tiny": [], "rm_tiny": SHORT, "dpo_tiny": SHORT}
+    results = run_cli_jobs({name: {"args": [f"recipe={name}", *extra, f"output_dir={root / name}"], "timeout": 1200}
+                            for name, extra in jobs.items()})
+    for result in results.values():
+        assert_ok(result)
+    return {name: (root / name, results[name]) for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def lora_run(runs):
+    return runs["lora_sft_tiny"][0]
 
 
 def test_lora_sft_tiny_learns(lora_run):
@@ -48,7 +64,7 @@ def test_merged_export_equals_the_adapted_model(lora_run):
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-4)
 
 
-def test_reward_and_dpo_take_lora(tmp_path):
+def test_reward_and_dpo_take_lora(runs):
     """peft=lora on the pair stages (3 steps each from ${base:sft_tiny}): the reward model trains its new score
     head in full next to the adapters and exports a sequence classifier; DPO's reference is the policy with its
     adapters disabled, so step 1's loss is ln 2 (B = 0: policy = reference)."""
@@ -56,16 +72,11 @@ def test_reward_and_dpo_take_lora(tmp_path):
 
     from transformers import AutoModelForSequenceClassification
 
-    short = ["peft=lora", "trainer.max_steps=3", "trainer.eval_every_n_steps=3", "trainer.eval_batch_size=64"]
-    rm, dpo = tmp_path / "rm", tmp_path / "dpo"
-    result = run_cli(["recipe=rm_tiny", *short, f"output_dir={rm}"], timeout=600)
-    assert_ok(result)
+    (rm, result), (dpo, dpo_result) = runs["rm_tiny"], runs["dpo_tiny"]
     assert "Σ r·(d_in + d_out) over 14 adapted matrices = 38912, modules_to_save 128" in result.stderr
     assert "39040 trainable parameters" in result.stderr
     AutoModelForSequenceClassification.from_pretrained(rm / "hf", dtype=torch.float32)
     assert (rm / "adapter" / "adapter_config.json").is_file()
-    result = run_cli(["recipe=dpo_tiny", *short, f"output_dir={dpo}"], timeout=600)
-    assert_ok(result)
-    assert "reference: the policy with adapters disabled (no second copy of the base)" in result.stderr
+    assert "reference: the policy with adapters disabled (no second copy of the base)" in dpo_result.stderr
     first = read_metrics(dpo)[0][0]
     assert abs(first["loss"] - math.log(2)) < 1e-6 and first["reward_margin"] == 0

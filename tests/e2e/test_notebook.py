@@ -15,7 +15,7 @@ from nbclient.exceptions import CellExecutionError
 
 from tests.e2e.notebooks import edited_copy, last_eval_edited, printed
 from tests.e2e.notebooks import execute as run_notebook
-from tests.helpers import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli_jobs
 
 pytestmark = pytest.mark.e2e
 
@@ -34,21 +34,25 @@ def test_stored_without_outputs(notebook):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("nb") / "run"
-    result = run_cli(["recipe=sft_tiny", "trainer.max_steps=20", "trainer.eval_every_n_steps=10",
-                      f"output_dir={run_dir}"])
-    assert_ok(result)
-    return run_dir
+def runs(tmp_path_factory) -> Path:
+    """The full run (run/) and a LoRA run (lora/) of sft_tiny, side by side (one CPU core each)."""
+    root = tmp_path_factory.mktemp("nb")
+    common = ["recipe=sft_tiny", "trainer.max_steps=20", "trainer.eval_every_n_steps=10"]
+    results = run_cli_jobs({"run": {"args": [*common, f"output_dir={root / 'run'}"]},
+                            "lora": {"args": [*common, "peft=lora", "optim.lr=1e-2", f"output_dir={root / 'lora'}"]}})
+    for result in results.values():
+        assert_ok(result)
+    return root
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny_run) -> Path:
-    run_dir = tiny_run.parent / "lora"
-    result = run_cli(["recipe=sft_tiny", "peft=lora", "optim.lr=1e-2", "trainer.max_steps=20",
-                      "trainer.eval_every_n_steps=10", f"output_dir={run_dir}"])
-    assert_ok(result)
-    return run_dir
+def tiny_run(runs) -> Path:
+    return runs / "run"
+
+
+@pytest.fixture(scope="module")
+def lora_run(runs) -> Path:
+    return runs / "lora"
 
 
 def execute(run_dir: Path, kernel_name: str, monkeypatch) -> nbformat.NotebookNode:

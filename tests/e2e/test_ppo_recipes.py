@@ -6,13 +6,12 @@ start."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli, run_recipe
+from tests.helpers import TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli_jobs, run_recipes
 
 pytestmark = pytest.mark.e2e
 
@@ -23,23 +22,29 @@ PPO_KEYS = ("score", "score_std", "reward", "kl", "kl_token", "kl_coef", "policy
 
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory) -> Path:
-    return run_recipe(tmp_path_factory, "ppo_tiny")
+def recipe_runs(tmp_path_factory) -> dict[str, Path]:
+    """The four recipes as a user runs them, two at a time (one CPU core each)."""
+    return run_recipes(tmp_path_factory, ["ppo_tiny", "grpo_tiny", "rloo_tiny", "dapo_tiny"])
 
 
 @pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory) -> Path:
-    return run_recipe(tmp_path_factory, "grpo_tiny")
+def ppo_run(recipe_runs) -> Path:
+    return recipe_runs["ppo_tiny"]
 
 
 @pytest.fixture(scope="module")
-def rloo_run(tmp_path_factory) -> Path:
-    return run_recipe(tmp_path_factory, "rloo_tiny")
+def grpo_run(recipe_runs) -> Path:
+    return recipe_runs["grpo_tiny"]
 
 
 @pytest.fixture(scope="module")
-def dapo_run(tmp_path_factory) -> Path:
-    return run_recipe(tmp_path_factory, "dapo_tiny")
+def rloo_run(recipe_runs) -> Path:
+    return recipe_runs["rloo_tiny"]
+
+
+@pytest.fixture(scope="module")
+def dapo_run(recipe_runs) -> Path:
+    return recipe_runs["dapo_tiny"]
 
 
 def windowed(train: list[dict], key: str) -> tuple[float, float]:
@@ -80,27 +85,14 @@ def test_grpo_has_no_critic_and_keeps_the_kl_in_the_loss(grpo_run):
 SHORT = ["trainer.max_steps=2", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
          "ppo.rollout.prompts_per_step=8", "ppo.mini_batch_size=8", "ppo.epochs=1", "trainer.micro_batch_size=8",
          "ppo.rollout.max_new_tokens=8", "data.eval_files=[]"]
+USER_REWARDS = """
+import json
 
-
-def test_a_user_reward_function_by_module_and_attribute_gets_the_columns(tmp_path):
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(f"""
-        import json
-
-        def score(prompts, responses, response):
-            with open({str(tmp_path / 'calls.jsonl')!r}, "a") as f:
-                f.write(json.dumps({{"prompts": prompts, "responses": responses, "response": response}}) + "\\n")
-            return [float(len(r)) for r in responses]
-    """))
-    out = tmp_path / "run"
-    env = cli_env(PYTHONPATH=f"{tmp_path}:{Path(__file__).resolve().parents[2]}")
-    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=my_rewards:score", f"output_dir={out}"],
-                      env=env))
-    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert len(calls) == 2 and all(len(c["prompts"]) == 8 == len(c["response"]) for c in calls)
-    assert calls[0]["prompts"][0].startswith("reverse: ")  # the raw prompt column, not the templated ids
-    train, _ = read_metrics(out)
-    lengths = [sum(len(r) for r in c["responses"]) / 8 for c in calls]
-    assert [r["score"] for r in train] == pytest.approx(lengths)
+def score(prompts, responses, response):
+    with open({calls!r}, "a") as f:
+        f.write(json.dumps({{"prompts": prompts, "responses": responses, "response": response}}) + "\\n")
+    return [float(len(r)) for r in responses]
+"""
 
 
 def tiny_reward_model(tmp_path: Path) -> Path:
@@ -120,45 +112,68 @@ def tiny_reward_model(tmp_path: Path) -> Path:
     return reward_dir
 
 
-def test_a_reward_model_directory_scores_and_starts_the_critic(tmp_path):
-    reward_dir = tiny_reward_model(tmp_path)
-    out = tmp_path / "run"
-    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.reward.function=null", f"ppo.reward.model={reward_dir}",
-                       "ppo.reward.normalize=true", "ppo.critic.init=reward", f"output_dir={out}"]))
-    train, _ = read_metrics(out)
+@pytest.fixture(scope="module")
+def short(tmp_path_factory) -> Path:
+    """The 2-iteration runs of the tests below, two at a time (one CPU core each): {name}/ in the returned folder;
+    the user's reward module and the random reward model beside them."""
+    root = tmp_path_factory.mktemp("ppo_short")
+    (root / "my_rewards.py").write_text(USER_REWARDS.format(calls=str(root / "calls.jsonl")))
+    reward_dir = tiny_reward_model(root)
+    runs = {"user_fn": ["recipe=ppo_tiny", "ppo.reward.function=my_rewards:score"],
+            "rm_dir": ["recipe=ppo_tiny", "ppo.reward.function=null", f"ppo.reward.model={reward_dir}",
+                       "ppo.reward.normalize=true", "ppo.critic.init=reward"],
+            "rm_and_fn": ["recipe=ppo_tiny", f"ppo.reward.model={reward_dir}", "ppo.reward.model_weight=0.5"],
+            "critic_warmup": ["recipe=ppo_tiny", "ppo.critic.warmup_steps=1"],
+            "lora": ["recipe=ppo_tiny", "peft=lora", "peft.r=4"],
+            "beta_zero": ["recipe=grpo_tiny", "ppo.kl.coef=0"],
+            "beta_adaptive": ["recipe=grpo_tiny", "trainer.max_steps=3", "ppo.kl.coef=0.05", "ppo.kl.target=1e-6",
+                              "ppo.kl.horizon=160", "optim.lr=1e-3"]}
+    env = cli_env(PYTHONPATH=f"{root}:{Path(__file__).resolve().parents[2]}")
+    results = run_cli_jobs({name: {"args": [args[0], *SHORT, *args[1:], f"output_dir={root / name}"], "env": env}
+                            for name, args in runs.items()})
+    for result in results.values():
+        assert_ok(result)
+    return root
+
+
+def test_a_user_reward_function_by_module_and_attribute_gets_the_columns(short):
+    calls = [json.loads(line) for line in (short / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 and all(len(c["prompts"]) == 8 == len(c["response"]) for c in calls)
+    assert calls[0]["prompts"][0].startswith("reverse: ")  # the raw prompt column, not the templated ids
+    train, _ = read_metrics(short / "user_fn")
+    lengths = [sum(len(r) for r in c["responses"]) / 8 for c in calls]
+    assert [r["score"] for r in train] == pytest.approx(lengths)
+
+
+def test_a_reward_model_directory_scores_and_starts_the_critic(short):
+    train, _ = read_metrics(short / "rm_dir")
     assert len(train) == 2 and all(abs(r["score"]) < 10 for r in train)
-    engines = out / "checkpoints" / "step_2" / "engines"
+    engines = short / "rm_dir" / "checkpoints" / "step_2" / "engines"
     assert sorted(p.name for p in engines.iterdir()) == ["actor", "critic", "reference", "reward"]
-    assert json.loads((engines / "reward" / "frozen.json").read_text())["source"] == str(reward_dir)
+    assert json.loads((engines / "reward" / "frozen.json").read_text())["source"] == str(short / "rm")
 
 
-def test_a_reward_model_and_a_reward_function_score_together(tmp_path):
+def test_a_reward_model_and_a_reward_function_score_together(short):
     """ppo.reward.model beside ppo.reward.function (issue 21): each sample's score is the function's plus
     model_weight × the model's; each source's global mean is logged (score_fn_score, score_rm)."""
-    out = tmp_path / "run"
-    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, f"ppo.reward.model={tiny_reward_model(tmp_path)}",
-                       "ppo.reward.model_weight=0.5", f"output_dir={out}"]))
-    train, _ = read_metrics(out)
+    train, _ = read_metrics(short / "rm_and_fn")
     assert len(train) == 2 and all(r["score_rm"] != 0 for r in train)
     for r in train:
         assert r["score"] == pytest.approx(r["score_fn_score"] + 0.5 * r["score_rm"], rel=1e-5, abs=1e-6)
 
 
-def test_critic_warmup_trains_the_critic_alone_first(tmp_path):
+def test_critic_warmup_trains_the_critic_alone_first(short):
     """ppo.critic.warmup_steps=1: iteration 1 updates only the critic, so iteration 2 still samples from the
     unchanged actor (its KL to the reference is exactly 0), then both learn (issue 21)."""
-    out = tmp_path / "run"
-    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "ppo.critic.warmup_steps=1", f"output_dir={out}"]))
-    first, second = read_metrics(out)[0]
+    first, second = read_metrics(short / "critic_warmup")[0]
     assert first["actor_frozen"] == 1.0 and "policy_loss" not in first and first["value_loss"] > 0
     assert second["kl"] == 0.0 and "actor_frozen" not in second and second["first_ratio_dev"] == 0.0
 
 
-def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(tmp_path):
+def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(short):
     """peft=lora: the reference is the actor with its adapters disabled (no second copy of the base): at the first
     iteration the KL is exactly 0 and the first ratio exactly 1; only the adapters train."""
-    out = tmp_path / "run"
-    assert_ok(run_cli(["recipe=ppo_tiny", *SHORT, "peft=lora", "peft.r=4", f"output_dir={out}"]))
+    out = short / "lora"
     train, _ = read_metrics(out)
     assert train[0]["kl"] == 0.0 and [r["first_ratio_dev"] for r in train] == [0.0, 0.0]
     reference = json.loads((out / "checkpoints" / "step_2" / "engines" / "reference" / "frozen.json").read_text())
@@ -166,17 +181,14 @@ def test_lora_actor_takes_its_reference_from_the_adapters_switched_off(tmp_path)
     assert (out / "adapter").is_dir() and (out / "critic_hf").is_dir()
 
 
-def test_grpo_at_beta_zero_builds_no_reference_and_an_adaptive_beta_moves(tmp_path):
+def test_grpo_at_beta_zero_builds_no_reference_and_an_adaptive_beta_moves(short):
     """β = 0 (fixed): no reference role is built, saved or run, and the KL is 0 (TRL builds none either). An adaptive
     β with the KL as a loss term starts at ppo.kl.coef and moves with the KL the update measures (it started at 0 and
     stayed there)."""
-    free, adaptive = tmp_path / "free", tmp_path / "adaptive"
-    assert_ok(run_cli(["recipe=grpo_tiny", *SHORT, "ppo.kl.coef=0", f"output_dir={free}"]))
+    free, adaptive = short / "beta_zero", short / "beta_adaptive"
     train, _ = read_metrics(free)
     assert [r["kl"] for r in train] == [0.0, 0.0] and all("kl_loss" not in r for r in train)
     assert sorted(p.name for p in (free / "checkpoints" / "step_2" / "engines").iterdir()) == ["actor"]
-    assert_ok(run_cli(["recipe=grpo_tiny", *SHORT, "trainer.max_steps=3", "ppo.kl.coef=0.05", "ppo.kl.target=1e-6",
-                       "ppo.kl.horizon=160", "optim.lr=1e-3", f"output_dir={adaptive}"]))
     train, _ = read_metrics(adaptive)
     # step 1's update starts at the reference (KL 0 < target: β × 0.96 for 32 samples); then it moved (KL > target)
     assert train[0]["kl_coef"] == 0.05 and train[0]["kl"] == 0 and train[1]["kl"] > 1e-6

@@ -14,7 +14,7 @@ from nbclient.exceptions import CellExecutionError
 
 from tests.e2e.notebooks import edited_copy, last_eval_edited, printed
 from tests.e2e.notebooks import execute as run_notebook
-from tests.helpers import REPO, read_metrics, run_recipe
+from tests.helpers import REPO, read_metrics, run_recipes
 
 pytestmark = pytest.mark.e2e
 
@@ -22,13 +22,19 @@ NOTEBOOK = REPO / "notebooks" / "preference_dashboard.ipynb"
 
 
 @pytest.fixture(scope="module")
-def rm_run(tmp_path_factory):
-    return run_recipe(tmp_path_factory, "rm_tiny")
+def recipe_runs(tmp_path_factory) -> dict:
+    """The four preference recipes as a user runs them, two at a time (one CPU core each)."""
+    return run_recipes(tmp_path_factory, ["rm_tiny", "dpo_tiny", "simpo_tiny", "orpo_tiny"])
 
 
 @pytest.fixture(scope="module")
-def dpo_run(tmp_path_factory):
-    return run_recipe(tmp_path_factory, "dpo_tiny")
+def rm_run(recipe_runs):
+    return recipe_runs["rm_tiny"]
+
+
+@pytest.fixture(scope="module")
+def dpo_run(recipe_runs):
+    return recipe_runs["dpo_tiny"]
 
 
 def test_rm_tiny_separates_easy_negatives(rm_run):
@@ -96,13 +102,13 @@ def test_dpo_tiny_prefers_the_reversal_and_keeps_the_policy(dpo_run):
 
 
 @pytest.fixture(scope="module")
-def simpo_run(tmp_path_factory):
-    return run_recipe(tmp_path_factory, "simpo_tiny")
+def simpo_run(recipe_runs):
+    return recipe_runs["simpo_tiny"]
 
 
 @pytest.fixture(scope="module")
-def orpo_run(tmp_path_factory):
-    return run_recipe(tmp_path_factory, "orpo_tiny")
+def orpo_run(recipe_runs):
+    return recipe_runs["orpo_tiny"]
 
 
 @pytest.mark.parametrize("recipe", ["simpo_tiny", "orpo_tiny"])

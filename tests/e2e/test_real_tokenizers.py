@@ -13,7 +13,7 @@ renders a past answer without it, so it does not render turns incrementally: SFT
 project's message.
 
 Runs are small (micro-batches of 4-16, sequences of 12-40 tokens, max_seq_len 64): a 152k vocabulary makes every
-token's logits 600 KB.
+token's logits 600 KB. The runs go two at a time (one CPU core each).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.tokenizers import fixture_info, fixture_model
-from tests.helpers import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_ok, read_metrics, run_cli, run_cli_jobs
 
 pytestmark = pytest.mark.e2e
 
@@ -71,13 +71,6 @@ def as_chat_pairs(source: Path, target: Path, limit: int) -> Path:
     return write_jsonl(target, pairs)
 
 
-def timed_cli(args: list[str], timings: dict, key: str, **kwargs):
-    start = time.perf_counter()
-    result = run_cli(args, **kwargs)
-    timings[key] = round(time.perf_counter() - start, 1)
-    return result
-
-
 def stop_token_ids(stderr: str) -> list[int]:
     """The ids named in the run log's `stop tokens: <tok> (id, source), ...` line."""
     line = next((line for line in stderr.splitlines() if "stop tokens: " in line), None)
@@ -93,6 +86,7 @@ class Trained:
     end_of_turn: int
     root: Path
     timings: dict  # seconds per stage, wall clock of the CLI process (imports and data included)
+    chains: dict  # the module's runs (the chains fixture)
 
 
 @pytest.fixture(scope="module")
@@ -105,25 +99,91 @@ def timings(tmp_path_factory) -> dict:
     print("\nreal tokenizer runs:", json.dumps(measured))
 
 
+def sft_args(model: Path, train: Path) -> list[str]:
+    return ["recipe=sft_tiny", f"model.name_or_path={model}", "model.from_config=null", "model.tokenizer=null",
+            "data.format=messages", f"data.train_files=[{train}]", "data.eval_files=[]", "data.eval_fraction=0",
+            "data.max_seq_len=64", f"trainer.max_steps={SFT_STEPS}", f"trainer.micro_batch_size={SFT_MICRO}",
+            "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0", f"optim.lr={SFT_LR}",
+            "optim.warmup_steps=5"]
+
+
+def grpo_args(export: Path, prompts: Path) -> list[str]:
+    return ["recipe=grpo_tiny", f"model.name_or_path={export}", "data.format=messages", f"data.train_files=[{prompts}]",
+            "data.eval_files=[]", "data.eval_fraction=0", "data.max_seq_len=64", "trainer.max_steps=1",
+            "trainer.eval_every_n_steps=0", f"ppo.rollout.prompts_per_step={PROMPTS_PER_STEP}",
+            "ppo.rollout.n_samples_per_prompt=4", f"ppo.mini_batch_size={PROMPTS_PER_STEP * 4}", "ppo.epochs=1"]
+
+
+def pair_args(recipe: str, export: Path, pairs: Path) -> list[str]:
+    """Two steps of a pairwise recipe from the SFT export on the chat pairs."""
+    return [f"recipe={recipe}", f"model.name_or_path={export}", f"data.train_files=[{pairs}]", "data.eval_files=[]",
+            "data.eval_fraction=0", "data.max_seq_len=64", "trainer.max_steps=2",
+            f"trainer.micro_batch_size={PAIR_MICRO}", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
+            "trainer.log_every_n_steps=1"]
+
+
+def ppo_args(export: Path, reward_hf: Path, prompts: Path) -> list[str]:
+    return ["recipe=ppo_tiny", f"model.name_or_path={export}", "ppo.reward.function=null",
+            f"ppo.reward.model={reward_hf}", "ppo.critic.init=reward", "data.format=messages",
+            f"data.train_files=[{prompts}]", "data.eval_files=[]", "data.eval_fraction=0", "data.max_seq_len=64",
+            "trainer.max_steps=1", "trainer.eval_every_n_steps=0", "ppo.rollout.prompts_per_step=16",
+            "ppo.mini_batch_size=16", "ppo.epochs=1"]
+
+
+def timed_jobs(jobs: dict[tuple[str, str], list[str]], roots: dict[str, Path], timings: dict) -> dict:
+    """Each (fixture, stage) run into roots[fixture]/stage, two at a time; its wall clock into timings."""
+    start = time.perf_counter()
+    results = run_cli_jobs({key: {"args": [*args, f"output_dir={roots[key[0]] / key[1]}"], "timeout": 900}
+                            for key, args in jobs.items()})
+    for (name, stage), result in results.items():
+        timings.setdefault(name, {})[stage] = round(result.seconds, 1)
+    timings.setdefault("wall", []).append(round(time.perf_counter() - start, 1))
+    return results
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory, timings) -> dict:
+    """Every run of the module, two at a time (one CPU core each): each fixture's SFT on chat messages, then from
+    its export GRPO, a reward model and DPO, then PPO from that reward model (PPO_FIXTURES).
+    -> {"roots": {fixture: folder}, "results": {(fixture, stage): result}}."""
+    roots = {name: tmp_path_factory.mktemp(f"real_{name}") for name in MODEL_TYPES}
+    for root in roots.values():
+        as_messages(DATA / "reverse_train.jsonl", root / "train.jsonl", SFT_ROWS)
+        as_messages(DATA / "reverse_eval.jsonl", root / "prompts.jsonl", PROMPTS)
+        as_chat_pairs(DATA / "reverse_train.jsonl", root / "pairs.jsonl", PAIRS)
+    results = timed_jobs({(name, "sft"): sft_args(fixture_model(name, MODEL_TYPES[name]), root / "train.jsonl")
+                          for name, root in roots.items()}, roots, timings)
+    exports = {name: root / "sft" / "hf" for name, root in roots.items() if results[name, "sft"].returncode == 0}
+    jobs = {}
+    for name, export in exports.items():
+        root = roots[name]
+        jobs[name, "grpo"] = grpo_args(export, root / "prompts.jsonl")
+        jobs[name, "reward"] = pair_args("rm_tiny", export, root / "pairs.jsonl")
+        jobs[name, "dpo"] = pair_args("dpo_tiny", export, root / "pairs.jsonl")
+    results |= timed_jobs(jobs, roots, timings)
+    results |= timed_jobs({(name, "ppo"): ppo_args(exports[name], roots[name] / "reward" / "hf",
+                                                   roots[name] / "prompts.jsonl")
+                           for name in PPO_FIXTURES if results.get((name, "reward")) is not None
+                           and results[name, "reward"].returncode == 0}, roots, timings)
+    return {"roots": roots, "results": results}
+
+
+def result_of(chains: dict, name: str, stage: str):
+    result = chains["results"].get((name, stage))
+    assert result is not None, f"{name} {stage}: not run (an earlier stage of its chain failed)"
+    assert_ok(result)
+    return result
+
+
 @pytest.fixture(scope="module", params=list(MODEL_TYPES))
-def sft(request, tmp_path_factory, timings) -> Trained:
+def sft(request, chains, timings) -> Trained:
     """One SFT run per fixture on chat messages, shared by the module's tests."""
     name = request.param
     info = fixture_info(name)
-    model = fixture_model(name, MODEL_TYPES[name])
-    root = tmp_path_factory.mktemp(f"real_{name}")
-    train = as_messages(DATA / "reverse_train.jsonl", root / "train.jsonl", SFT_ROWS)
-    out = root / "sft"
-    timings[name] = {}
-    result = timed_cli(["recipe=sft_tiny", f"model.name_or_path={model}", "model.from_config=null",
-                        "model.tokenizer=null", "data.format=messages", f"data.train_files=[{train}]",
-                        "data.eval_files=[]", "data.eval_fraction=0", "data.max_seq_len=64",
-                        f"trainer.max_steps={SFT_STEPS}", f"trainer.micro_batch_size={SFT_MICRO}",
-                        "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
-                        f"optim.lr={SFT_LR}", "optim.warmup_steps=5", f"output_dir={out}"],
-                       timings[name], "sft", timeout=900)
-    assert_ok(result)
-    return Trained(name, out / "hf", info["vocab_size"], info["tokens"]["end_of_turn"]["id"], root, timings[name])
+    result_of(chains, name, "sft")
+    root = chains["roots"][name]
+    return Trained(name, root / "sft" / "hf", info["vocab_size"], info["tokens"]["end_of_turn"]["id"], root,
+                   timings[name], chains)
 
 
 def test_sft_on_messages_learns(sft):
@@ -137,15 +197,7 @@ def test_sft_on_messages_learns(sft):
 
 
 def test_grpo_from_the_export_stops_at_the_end_of_turn(sft):
-    prompts = as_messages(DATA / "reverse_eval.jsonl", sft.root / "prompts.jsonl", PROMPTS)
-    out = sft.root / "grpo"
-    result = timed_cli(["recipe=grpo_tiny", f"model.name_or_path={sft.export}", "data.format=messages",
-                        f"data.train_files=[{prompts}]", "data.eval_files=[]", "data.eval_fraction=0",
-                        "data.max_seq_len=64", "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
-                        f"ppo.rollout.prompts_per_step={PROMPTS_PER_STEP}", "ppo.rollout.n_samples_per_prompt=4",
-                        f"ppo.mini_batch_size={PROMPTS_PER_STEP * 4}", "ppo.epochs=1", f"output_dir={out}"],
-                       sft.timings, "grpo", timeout=900)
-    assert_ok(result)
+    result, out = result_of(sft.chains, sft.name, "grpo"), sft.root / "grpo"
     assert sft.end_of_turn in stop_token_ids(result.stderr), result.stderr[-3000:]
     # the checkpoint's sampling defaults (generation_config.json) are named as overridden, not applied
     assert "not applied from" in result.stderr and "repetition_penalty=1.1" in result.stderr, result.stderr[-3000:]
@@ -174,20 +226,8 @@ def test_chat_pairs_end_at_the_end_of_turn(sft):
 @pytest.fixture(scope="module")
 def reward_model(sft) -> Path:
     """Two steps of a reward model from the SFT export on chat pairs: its run folder."""
-    return pair_run(sft, "rm_tiny", "reward")
-
-
-def pair_run(sft, recipe: str, name: str) -> Path:
-    """Two steps of a pairwise recipe from the SFT export on the chat pairs: its run folder."""
-    pairs = as_chat_pairs(DATA / "reverse_train.jsonl", sft.root / "pairs.jsonl", PAIRS)
-    out = sft.root / name
-    result = timed_cli([f"recipe={recipe}", f"model.name_or_path={sft.export}", f"data.train_files=[{pairs}]",
-                        "data.eval_files=[]", "data.eval_fraction=0", "data.max_seq_len=64", "trainer.max_steps=2",
-                        f"trainer.micro_batch_size={PAIR_MICRO}", "trainer.eval_every_n_steps=0",
-                        "trainer.save_every_n_steps=0", "trainer.log_every_n_steps=1", f"output_dir={out}"],
-                       sft.timings, name, timeout=900)
-    assert_ok(result)
-    return out
+    result_of(sft.chains, sft.name, "reward")
+    return sft.root / "reward"
 
 
 def test_reward_model_from_the_export(reward_model):
@@ -208,15 +248,7 @@ def test_ppo_with_the_reward_model(sft, reward_model):
     replies at their end of turn, and the critic starts from it (ppo.critic.init=reward)."""
     if sft.name not in PPO_FIXTURES:
         pytest.skip(f"PPO runs on {', '.join(PPO_FIXTURES)} only (CI time)")
-    prompts = as_messages(DATA / "reverse_eval.jsonl", sft.root / "prompts.jsonl", PROMPTS)
-    out = sft.root / "ppo"
-    result = timed_cli(["recipe=ppo_tiny", f"model.name_or_path={sft.export}", "ppo.reward.function=null",
-                        f"ppo.reward.model={reward_model / 'hf'}", "ppo.critic.init=reward", "data.format=messages",
-                        f"data.train_files=[{prompts}]", "data.eval_files=[]", "data.eval_fraction=0",
-                        "data.max_seq_len=64", "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
-                        "ppo.rollout.prompts_per_step=16", "ppo.mini_batch_size=16", "ppo.epochs=1",
-                        f"output_dir={out}"], sft.timings, "ppo", timeout=900)
-    assert_ok(result)
+    result, out = result_of(sft.chains, sft.name, "ppo"), sft.root / "ppo"
     assert sft.end_of_turn in stop_token_ids(result.stderr), result.stderr[-3000:]
     first = read_metrics(out)[0][0]
     assert first["samples"] == 16 and first["eos_rate"] > 0.8, first
@@ -227,7 +259,8 @@ def test_ppo_with_the_reward_model(sft, reward_model):
 
 
 def test_dpo_from_the_export(sft):
-    train, _ = read_metrics(pair_run(sft, "dpo_tiny", "dpo"))
+    result_of(sft.chains, sft.name, "dpo")
+    train, _ = read_metrics(sft.root / "dpo")
     assert [r["step"] for r in train] == [1, 2], train
     first = train[0]
     # the policy is its reference at step 1
@@ -243,12 +276,13 @@ def test_deepseek_messages_sft_is_refused(tmp_path, timings):
     prompt is not a prefix of the conversation, so the assistant tokens cannot be located."""
     model = fixture_model("deepseek", "llama")
     train = as_messages(DATA / "reverse_train.jsonl", tmp_path / "train.jsonl", 16)
-    timings["deepseek"] = {}
-    result = timed_cli(["recipe=sft_tiny", f"model.name_or_path={model}", "model.from_config=null",
-                        "model.tokenizer=null", "data.format=messages", f"data.train_files=[{train}]",
-                        "data.eval_files=[]", "data.eval_fraction=0", "trainer.max_steps=1",
-                        "trainer.micro_batch_size=4", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
-                        f"output_dir={tmp_path / 'run'}"], timings["deepseek"], "sft_refused", timeout=300)
+    start = time.perf_counter()
+    result = run_cli(["recipe=sft_tiny", f"model.name_or_path={model}", "model.from_config=null",
+                      "model.tokenizer=null", "data.format=messages", f"data.train_files=[{train}]",
+                      "data.eval_files=[]", "data.eval_fraction=0", "trainer.max_steps=1",
+                      "trainer.micro_batch_size=4", "trainer.eval_every_n_steps=0", "trainer.save_every_n_steps=0",
+                      f"output_dir={tmp_path / 'run'}"], timeout=300)
+    timings["deepseek"] = {"sft_refused": round(time.perf_counter() - start, 1)}
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     assert "data.format=messages: the chat template of model.tokenizer does not render turns incrementally" \
         in result.stderr, result.stderr[-3000:]
