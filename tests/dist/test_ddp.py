@@ -1,19 +1,18 @@
 """DDP under torchrun (gloo): 2 ranks × micro b equals 1 process × 2b, gradient accumulation changes nothing,
 and bitwise resume (1 and 2 ranks).
 
-Every run loads the same saved tiny model folder, and runs once per module (`runs`), serving every test that
-reads it. Parity compares loss and grad norm per step (grad norm catches a gradient-scale bug that Adam would
-hide in the loss). The runs' arguments (`base_args`) and the per-step comparison (`assert_close_series`) are
-fixtures of tests/dist/conftest.py, shared with the other backends' tests.
+Every run loads the same saved tiny model folder, and runs once per module (`runs`: one launch per rank count,
+its runs one after the other), serving every test that reads it. Parity compares loss and grad norm per step
+(grad norm catches a gradient-scale bug that Adam would hide in the loss). The runs' arguments (`base_args`) and
+the per-step comparison (`assert_close_series`) are fixtures of tests/dist/conftest.py, shared with the other
+backends' tests.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.helpers import REPO, assert_ok, read_metrics, run_cli
+from tests.helpers import REPO, assert_batch_ok, read_metrics, run_batch
 
 pytestmark = pytest.mark.dist
 
@@ -31,35 +30,30 @@ def resume_args(nproc: int) -> list[str]:
             "model.dropout=0.1", "trainer.save_every_n_steps=6", "trainer.keep_last_k=3"]
 
 
-RUNS = {  # name -> (nproc, overrides)
+RUNS = {  # name -> (nproc, overrides); each resumed run after the run whose step 6 it loads, another run between
+    "straight_1": (1, resume_args(1)),
+    "straight_2": (2, resume_args(2)),
     "single": (1, [*PARITY, "trainer.micro_batch_size=8"]),
     "ddp": (2, [*PARITY, "trainer.micro_batch_size=4", "trainer.global_batch_size=16"]),
     "single_accum16": (1, [*PARITY, "trainer.micro_batch_size=1", "trainer.grad_accum_steps=16"]),
-    "straight_1": (1, resume_args(1)),
-    "straight_2": (2, resume_args(2)),
+    **{f"resumed_{n}": (n, [*resume_args(n), f"resume={{root}}/straight_{n}/checkpoints/step_6", "data.num_workers=2"])
+       for n in (1, 2)},
 }
 
 
-class Runs:
-    """Each named run once, on first use (a failed run fails every test that needs it)."""
-
-    def __init__(self, root: Path, model_dir: Path, base_args):
-        self.root, self.model_dir, self.base_args, self.done = root, model_dir, base_args, {}
-        (root / EVAL_FILE).write_text(
-            "".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
-
-    def __call__(self, name: str) -> Path:
-        if name not in self.done:
-            nproc, args = RUNS[name]
-            args = [arg.replace("{root}", str(self.root)) for arg in args]
-            self.done[name] = run_cli(self.base_args(self.model_dir, self.root / name, *args), nproc=nproc)
-        assert_ok(self.done[name])
-        return self.root / name
-
-
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
-    return Runs(tmp_path_factory.mktemp("ddp"), tiny_model_dir, base_args)
+def runs(tiny_model_dir, tmp_path_factory, base_args):
+    """Every run of RUNS, in one launch per rank count (tests/dist/workers/batched_runs.py); `runs(name)` is the
+    folder of a run that finished."""
+    root = tmp_path_factory.mktemp("ddp")
+    (root / EVAL_FILE).write_text(
+        "".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
+    for nproc in (1, 2):
+        batch = [{"out": root / name, "args": base_args(tiny_model_dir, root / name,
+                                                        *(a.replace("{root}", str(root)) for a in args))}
+                 for name, (n, args) in RUNS.items() if n == nproc]
+        run_batch(root, f"ddp_{nproc}", batch, nproc)
+    return lambda name: assert_batch_ok(root / name)
 
 
 def test_ddp_two_ranks_match_one_process(runs, assert_close_series):
@@ -87,12 +81,10 @@ def test_accumulation_does_not_change_the_step(runs, assert_close_series):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_bitwise_resume(runs, tmp_path, nproc, base_args):
-    """12 steps straight vs the same run's step-6 checkpoint resumed in a fresh process: identical losses.
-    Accumulation 2, dropout 0.1, mid-epoch; the resumed half also uses 2 data workers."""
-    straight, resumed = runs(f"straight_{nproc}"), tmp_path / "resumed"
-    assert_ok(run_cli(base_args(runs.model_dir, resumed, *resume_args(nproc), f"resume={straight}/checkpoints/step_6",
-                                "data.num_workers=2"), nproc=nproc))
+def test_bitwise_resume(runs, nproc):
+    """12 steps straight vs the same run's step-6 checkpoint resumed in a later run (other runs between): identical
+    losses. Accumulation 2, dropout 0.1, mid-epoch; the resumed half also uses 2 data workers."""
+    straight, resumed = runs(f"straight_{nproc}"), runs(f"resumed_{nproc}")
     reference = read_metrics(straight)[0]
     continued = read_metrics(resumed)[0]
     assert [r["step"] for r in continued] == list(range(7, 13))

@@ -2,9 +2,10 @@
 accumulation-independence (DDP and ZeRO-2), bitwise resume (ZeRO-0 to 3), the ZeRO-1 <-> 2 switch on resume,
 export round trip, 2 -> 1 reshard, model-state bytes, the non-finite stop, bad configs, NVMe offload.
 
-Runs are grouped: each configuration below runs once (on first use) and serves several tests. Every run
-loads the same saved tiny model, trains 12 steps of global batch 16 (micro 4 × accumulation 2 × 2 ranks)
-in fp32 with weight decay on (a wrong AdamW group under ZeRO-3 would show) and saves at step 6.
+Runs are grouped: each configuration below runs once and serves several tests, the module's runs in one launch per
+rank count (the `runs` fixture). Every run loads the same saved tiny model, trains 12 steps of global batch 16
+(micro 4 × accumulation 2 × 2 ranks) in fp32 with weight decay on (a wrong AdamW group under ZeRO-3 would show)
+and saves at step 6.
 Grad norm is compared too: Adam hides a gradient-scale bug in the loss, the norm does not.
 """
 
@@ -17,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_ok, assert_stopped_nonfinite, ranks_refused, read_metrics, run_cli
+from tests.helpers import (
+    assert_batch_ok,
+    assert_stopped_nonfinite,
+    batch_log,
+    ranks_refused,
+    read_metrics,
+    run_batch,
+    run_cli,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -38,6 +47,14 @@ RUNS = {  # name -> (nproc, overrides); "ddp*" are the references
     "zero2_accum1": (2, ["backend=zero2", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1"]),
 }
 REFERENCE = {name: "ddp_packed" if "data.packing=true" in args else "ddp" for name, (_, args) in RUNS.items()}
+RESUMED = {  # name -> (the run whose step-6 checkpoint it resumes, nproc, overrides after that run's)
+    **{f"{name}_resumed": (name, 2, ["data.num_workers=2"])
+       for name in ("zero0", "zero1", "zero2", "zero3", "zero3_offload")},
+    "zero1_as_zero2": ("zero1", 2, ["backend=zero2"]),
+    "zero2_as_zero1": ("zero2", 2, ["backend=zero1"]),
+    "zero2_on_one_rank": ("zero2", 1, ["trainer.micro_batch_size=8"]),
+    "zero3_on_one_rank": ("zero3", 1, ["trainer.micro_batch_size=8"]),
+}
 
 
 def test_the_fused_head_equals_full_logits_under_zero3(runs, assert_close_series):
@@ -50,19 +67,23 @@ def test_the_fused_head_equals_full_logits_under_zero3(runs, assert_close_series
 
 
 class Runs:
-    """Each named run once, on first use (a failed run fails every test that needs it)."""
+    """Every run of RUNS, then those of RESUMED (and zero3_nvme where NVMe offload can run), in one launch per rank
+    count (tests/dist/workers/batched_runs.py): the 2-rank launch first, whose checkpoints the 1-rank one loads.
+    `runs(name)` is the folder of a run that finished."""
 
     def __init__(self, root: Path, model_dir: Path, base_args):
-        self.root, self.model_dir, self.base_args, self.done = root, model_dir, base_args, {}
+        self.root = root
+        batches = {2: [(name, [*COMMON, *args]) for name, (_, args) in RUNS.items()], 1: []}
+        if async_io_builds():
+            batches[2].append(("zero3_nvme", [*COMMON, *RUNS["zero3"][1], *nvme_args(root / "nvme")]))
+        for name, (base, nproc, extra) in RESUMED.items():
+            batches[nproc].append((name, [*COMMON, *RUNS[base][1], f"resume={root / base}/checkpoints/step_6", *extra]))
+        for nproc, batch in batches.items():
+            runs = [{"out": root / name, "args": base_args(model_dir, root / name, *args)} for name, args in batch]
+            run_batch(root, f"deepspeed_{nproc}", runs, nproc)
 
-    def __call__(self, name: str, *extra: str, nproc: int | None = None, base: str | None = None) -> Path:
-        if name not in self.done:
-            run_nproc, args = RUNS[base or name]
-            out = self.root / name
-            self.done[name] = run_cli(self.base_args(self.model_dir, out, *COMMON, *args, *extra),
-                                      nproc=nproc or run_nproc)
-        assert_ok(self.done[name])
-        return self.root / name
+    def __call__(self, name: str) -> Path:
+        return assert_batch_ok(self.root / name)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +120,9 @@ def test_accumulation_does_not_change_the_step(runs, name, assert_close_series):
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
 def test_bitwise_resume(runs, name):
-    """12 steps straight vs the step-6 checkpoint resumed in fresh processes (2 data workers): identical."""
-    straight = runs(name)
-    resumed = runs(f"{name}_resumed", f"resume={straight}/checkpoints/step_6", "data.num_workers=2", base=name)
+    """12 steps straight vs the step-6 checkpoint resumed in a later run (other runs between; 2 data workers):
+    identical."""
+    straight, resumed = runs(name), runs(f"{name}_resumed")
     reference, continued = read_metrics(straight)[0], read_metrics(resumed)[0]
     assert [r["step"] for r in continued] == list(range(7, 13))
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[6:]]
@@ -114,8 +135,7 @@ def test_bitwise_resume(runs, name):
 def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed, assert_close_series):
     """A ZeRO-1 checkpoint continues under ZeRO-2 and back (same 2 ranks, through the universal checkpoint):
     weights, Adam moments and schedule survive, so steps 7-12 match the uninterrupted run to 1e-5."""
-    straight = runs(saved)
-    switched = runs(f"{saved}_as_{resumed}", f"resume={straight}/checkpoints/step_6", f"backend={resumed}", base=saved)
+    straight, switched = runs(saved), runs(f"{saved}_as_{resumed}")
     reference, continued = read_metrics(straight)[0], read_metrics(switched)[0]
     assert [r["step"] for r in continued] == list(range(7, 13))
     assert [r["lr"] for r in continued] == [r["lr"] for r in reference[6:]]
@@ -124,16 +144,14 @@ def test_resume_switches_between_zero1_and_zero2(runs, saved, resumed, assert_cl
     config = json.loads((switched / "deepspeed_config.json").read_text())
     assert config["zero_optimization"]["stage"] == int(resumed[-1])
     assert (f"saved with ZeRO-{saved[-1]} on 2 dp ranks, this run is ZeRO-{resumed[-1]} on 2"
-            in runs.done[switched.name].stderr)
+            in batch_log(switched))
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
 def test_reshard_two_ranks_to_one(runs, name, assert_close_series):
     """A checkpoint saved on 2 ranks resumes on 1 (micro 8: same global batch) through DeepSpeed's universal
     checkpoint: weights, Adam moments, fp32 master and schedule survive, so steps 7-12 match the 2-rank run."""
-    straight = runs(name)
-    one = runs(f"{name}_on_one_rank", f"resume={straight}/checkpoints/step_6", "trainer.micro_batch_size=8",
-               nproc=1, base=name)
+    straight, one = runs(name), runs(f"{name}_on_one_rank")
     reference, continued = read_metrics(straight)[0], read_metrics(one)[0]
     assert [r["step"] for r in continued] == list(range(7, 13))
     assert_close_series(continued, reference[6:], "loss", 1e-6, 1e-5)  # step 7: the weights are equal
@@ -249,10 +267,10 @@ def test_bad_configs_fail_on_every_rank_within_seconds(tmp_path):
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_nonfinite_loss_stops_every_rank(runs, tmp_path, base_args):
+def test_nonfinite_loss_stops_every_rank(tiny_model_dir, tmp_path, base_args):
     """fp32, lr 1e30: step 1's update makes the weights overflow, step 2's loss is NaN; every rank says so and
     exits with code 3 (torchrun reports the first rank to exit and stops the other), nothing is saved."""
-    result = run_cli(base_args(runs.model_dir, tmp_path / "run", *COMMON, "backend=zero2", "optim.lr=1e30",
+    result = run_cli(base_args(tiny_model_dir, tmp_path / "run", *COMMON, "backend=zero2", "optim.lr=1e30",
                                "optim.warmup_steps=0", "optim.max_grad_norm=0", "trainer.max_steps=4"), nproc=2)
     assert_stopped_nonfinite(result, nproc=2, step=2)
     assert [r["step"] for r in read_metrics(tmp_path / "run")[0]] == [1]
@@ -272,24 +290,24 @@ def async_io_builds() -> bool:
     return AsyncIOBuilder().is_compatible(verbose=False)
 
 
-def test_nvme_offload_without_libaio_stops_and_says_why(runs, tmp_path, base_args):
+def test_nvme_offload_without_libaio_stops_and_says_why(tiny_model_dir, tmp_path, base_args):
     """Without libaio the run stops before the model loads and names the missing op."""
     if async_io_builds():
         pytest.skip("DeepSpeed's async_io op builds here (libaio is installed): the NVMe offload test runs instead")
-    result = run_cli(base_args(runs.model_dir, tmp_path / "run", *COMMON, "backend=zero3",
+    result = run_cli(base_args(tiny_model_dir, tmp_path / "run", *COMMON, "backend=zero3",
                                *nvme_args(tmp_path / "nvme")), nproc=2)
     assert result.returncode != 0 and "async_io op, which cannot build here" in result.stderr
     assert "Loading weights" not in result.stderr + result.stdout
 
 
-def test_nvme_offload_to_a_folder(runs, tmp_path, assert_close_series):
-    """With libaio (CI installs libaio-dev) ZeRO-3 offloads optimizer state and parameters to a folder and
-    matches DDP."""
+def test_nvme_offload_to_a_folder(runs, assert_close_series):
+    """With libaio (CI installs libaio-dev) ZeRO-3 offloads optimizer state and parameters to a folder (the
+    module's 2-rank launch runs it) and matches DDP."""
     if not async_io_builds():
         pytest.skip("DeepSpeed's AsyncIOBuilder is not compatible here (libaio missing: apt-get install libaio-dev), "
                     "so NVMe offload cannot run")
-    nvme = tmp_path / "nvme"
-    run_dir = runs("zero3_nvme", *nvme_args(nvme), base="zero3")
+    nvme = runs.root / "nvme"
+    run_dir = runs("zero3_nvme")
     assert any((nvme / "zero_stage_3").rglob("*")), "nothing was swapped to the NVMe folder"
     reference, ours = read_metrics(runs("ddp"))[0][:4], read_metrics(run_dir)[0]
     assert_close_series(ours[:2], reference[:2], "loss", 1e-6, 1e-5)  # same lr for the 2 warm-up steps

@@ -15,7 +15,8 @@ tiny model folder, fp32, global batch 16 = micro × grad accumulation 2 × dp.
   parity is that of the meta path); a from_config model with tied embeddings trains as DDP does; a second
   worker checks each rank's weights, buffers, ties and RNG against what DDP builds, and that rank 1's
   host memory grows by its shard, not by the full model, while rank 0 holds the full copy.
-Runs are cached per module, so the resume tests reuse the parity runs.
+Each run is made once per module, all of them in one launch per rank count (`runs`); the resume tests reuse the
+parity runs.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from tests.helpers import (
     PYTHON,
     REPO,
     TOKENIZER_DIR,
+    assert_batch_ok,
     assert_ok,
     assert_stopped_nonfinite,
+    batch_log,
     cli_env,
     ranks_refused,
     read_metrics,
+    run_batch,
     run_cli,
     save_tiny_model,
 )
@@ -69,24 +73,42 @@ def contender_args(name: str, model_dir: Path, out_dir: Path, *extra: str) -> tu
     return base_args(model_dir, out_dir, f"trainer.micro_batch_size={micro}", *overrides, *extra), nproc
 
 
+# resumed run -> (the llama run whose step-5 checkpoint it loads, the contender that resumes it)
+RESUMED = {f"{source}_as_{name}": (source, name) for source, name in [
+    ("fsdp2", "fsdp2"), ("fsdp2_tp", "fsdp2_tp"), ("hsdp", "hsdp"), ("dp2_tp2", "dp2_tp2"),  # same topology
+    ("fsdp2", "dp1"), ("fsdp2", "dp2_tp2")]}  # resharded
+TIED = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "trainer.eval_every_n_steps=0",
+        "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "trainer.max_steps=3",
+        "trainer.grad_accum_steps=1", "trainer.global_batch_size=16", "trainer.save_every_n_steps=0"]
+TIED_RUNS = {"ddp": (8, "backend=ddp"), "fsdp2": (8, "backend=fsdp2"), "fsdp2_tp": (16, "backend=fsdp2_tp")}
+
+
 class Runs:
-    """Each (model, contender) trained once per module; later tests reuse the run folder."""
+    """Every (model, contender) run the tests read, the RESUMED runs and the TIED_RUNS (folders tied_<name>), in one
+    launch per rank count (tests/dist/workers/batched_runs.py): 2 ranks first, then 4 and 1, which resume
+    checkpoints the 2-rank launch saved (the 4-rank ones also their own launch's, saved earlier in it)."""
 
     def __init__(self, root: Path, models: dict[str, Path]):
-        self.root, self.models, self.done, self.logs = root, models, {}, {}
+        self.root, self.models = root, models
+        batches = {2: [], 4: [], 1: []}
+        for model, name in [("llama", "ddp"), ("qwen2", "ddp"), *PARITY, ("llama", "fsdp2_accum1")]:
+            args, nproc = contender_args(name, models[model], root / f"{model}_{name}")
+            batches[nproc].append({"out": root / f"{model}_{name}", "args": args})
+        for tied, (micro, backend) in TIED_RUNS.items():
+            out = root / f"tied_{tied}"
+            batches[2].append({"out": out, "args": [*TIED, backend, f"trainer.micro_batch_size={micro}"]})
+        for resumed, (source, name) in RESUMED.items():
+            args, nproc = contender_args(name, models["llama"], root / resumed,
+                                         f"resume={root}/llama_{source}/checkpoints/step_5")
+            batches[nproc].append({"out": root / resumed, "args": args})
+        for nproc, batch in batches.items():
+            run_batch(root, f"fsdp2_{nproc}", batch, nproc)
 
     def get(self, model: str, name: str) -> Path:
-        if (model, name) not in self.done:
-            out = self.root / f"{model}_{name}"
-            args, nproc = contender_args(name, self.models[model], out)
-            result = run_cli(args, nproc=nproc)
-            assert_ok(result)
-            self.done[(model, name)], self.logs[(model, name)] = out, result.stdout + result.stderr
-        return self.done[(model, name)]
+        return assert_batch_ok(self.root / f"{model}_{name}")
 
     def log(self, model: str, name: str) -> str:
-        self.get(model, name)
-        return self.logs[(model, name)]
+        return batch_log(self.get(model, name))
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +126,10 @@ def test_parity_with_ddp(runs, model, name, assert_close_series):
     assert reference[-1]["loss"] < reference[0]["loss"]
 
 
-def resume(runs: Runs, source: str, name: str, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+def resume(runs: Runs, source: str, name: str) -> tuple[list[dict], list[dict]]:
     """(the source run's steps 6-10, the same steps trained by `name` resumed from its step-5 checkpoint)."""
     straight = runs.get("llama", source)
-    args, nproc = contender_args(name, runs.models["llama"], tmp_path / "resumed",
-                                 f"resume={straight}/checkpoints/step_5")
-    assert_ok(run_cli(args, nproc=nproc))
-    continued = read_metrics(tmp_path / "resumed")[0]
+    continued = read_metrics(assert_batch_ok(runs.root / f"{source}_as_{name}"))[0]
     assert [r["step"] for r in continued] == list(range(6, 11))
     return read_metrics(straight)[0][5:], continued
 
@@ -132,16 +151,16 @@ def test_accumulation_does_not_change_the_step(runs, assert_close_series):
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp", "hsdp", "dp2_tp2"])
-def test_bitwise_resume_same_topology(runs, tmp_path, name):
-    reference, continued = resume(runs, name, name, tmp_path)
+def test_bitwise_resume_same_topology(runs, name):
+    reference, continued = resume(runs, name, name)
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in continued] == [r[key] for r in reference]
 
 
 @pytest.mark.parametrize("name", ["dp1", "dp2_tp2"])
-def test_dp2_checkpoint_resumes_resharded(runs, tmp_path, name, assert_close_series):
+def test_dp2_checkpoint_resumes_resharded(runs, name, assert_close_series):
     """Model, Adam state and schedule saved at dp=2 continue at dp=1 (one process) and at dp=2 × tp=2."""
-    reference, continued = resume(runs, "fsdp2", name, tmp_path)
+    reference, continued = resume(runs, "fsdp2", name)
     assert [r["lr"] for r in continued] == [r["lr"] for r in reference]
     assert_close_series(continued, reference, "loss", 1e-6, 1e-5)
     assert_close_series(continued, reference, "grad_norm", 1e-6, 1e-5)
@@ -217,22 +236,16 @@ def test_only_rank0_builds_the_model(runs, model, name, meta_ranks):
     assert f"fsdp2: {meta_ranks} built the model on meta, weights from rank 0" in runs.log(model, name)
 
 
-def test_from_config_with_tied_embeddings_trains_as_ddp(tmp_path, assert_close_series):
+def test_from_config_with_tied_embeddings_trains_as_ddp(runs, assert_close_series):
     """Random init (not a folder) on rank 0 only, and embedding / LM head tied (under tp the head stays replicated,
-    said in the log): 3 steps as DDP's."""
-    args = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "trainer.eval_every_n_steps=0",
-            "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "trainer.max_steps=3",
-            "trainer.grad_accum_steps=1", "trainer.global_batch_size=16", "trainer.save_every_n_steps=0"]
+    said in the log): 3 steps as DDP's (TIED_RUNS)."""
     metrics = {}
-    for name, micro, backend in [("ddp", 8, "backend=ddp"), ("fsdp2", 8, "backend=fsdp2"),
-                                 ("fsdp2_tp", 16, "backend=fsdp2_tp")]:
-        result = run_cli([*args, backend, f"trainer.micro_batch_size={micro}", f"output_dir={tmp_path / name}"],
-                         nproc=2)
-        assert_ok(result)
-        assert (name == "ddp") != ("rank 1 built the model on meta" in result.stderr)
+    for name in TIED_RUNS:
+        log = runs.log("tied", name)
+        assert (name == "ddp") != ("rank 1 built the model on meta" in log)
         assert (name == "fsdp2_tp") == ("LM head is tied to the input embedding: kept replicated over tp" in
-                                        result.stderr)  # models/vocab_parallel.py splits untied heads only
-        metrics[name] = read_metrics(tmp_path / name)[0]
+                                        log)  # models/vocab_parallel.py splits untied heads only
+        metrics[name] = read_metrics(runs.get("tied", name))[0]
     for name in ("fsdp2", "fsdp2_tp"):
         assert_close_series(metrics[name], metrics["ddp"], "loss", 1e-6, 1e-5)
         assert_close_series(metrics[name], metrics["ddp"], "grad_norm", 1e-6, 1e-5)
