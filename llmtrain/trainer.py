@@ -72,6 +72,15 @@ class Trainer:
         on (llmtrain/faults.py) and returns, so the process exits 0 and a restart resumes from that step."""
         batches = self.train_batches(self.stage.data_position(self.step))
         self.stage.fetch_more = lambda: self.prepare_batch(next(batches))
+        try:
+            return self._fit(batches)
+        finally:
+            # the lambda ties trainer, stage and the loader's iterator into a cycle: broken here, the iterator goes
+            # when fit returns and stops its workers (else they outlive the run until a garbage collection, which
+            # then waits 5 s on each: a process that runs again, as a sweep or a notebook does)
+            self.stage.fetch_more = None
+
+    def _fit(self, batches: Iterator) -> bool:
         if self.step == 0 and self.eval_batches is not None and self.s.eval_every_n_steps > 0:
             with self._guard("evaluating"):
                 self._emit(self.evaluate())
