@@ -101,12 +101,13 @@ def worker_exit_codes(stderr: str) -> list[int]:
 def ranks_refused(result: subprocess.CompletedProcess, nproc: int) -> list[int]:
     """The ranks that printed `llmtrain: error on rank R` for a launch refused before the model loads; the others
     must have been stopped by torchrun (a rank still importing when the first one exited: torchrun sends SIGTERM
-    to the rest), so every rank either refused or never got as far as loading. Rank 0 always reports."""
+    to the rest), so every rank either refused or never got as far as loading. Which rank reports first is a race
+    (CI saw rank 2 of 3 refuse while ranks 0 and 1 were still importing), so any one of them may be the reporter."""
     import re
 
     reported = [rank for rank in range(nproc) if f"llmtrain: error on rank {rank}" in result.stderr]
     stopped = len(re.findall(r"Sending process \d+ closing signal SIGTERM", result.stderr))
-    assert result.returncode != 0 and 0 in reported, result.stderr[-3000:]
+    assert result.returncode != 0 and reported, result.stderr[-3000:]
     assert len(reported) + stopped >= nproc, (reported, stopped, result.stderr[-3000:])
     assert "Loading weights" not in result.stderr + result.stdout, result.stderr[-3000:]
     return reported
