@@ -163,16 +163,49 @@ def save_tiny_model_with_tokenizer(directory: Path, name: str, model_type: str =
 
 # ---- several runs in one launch (tests/dist/workers/batched_runs.py) -----------------------------------------------
 
-def run_batch(root: Path, name: str, runs: list[dict], nproc: int = 1, timeout: int = 1800) -> str:
-    """Runs RUNS ([{"out": folder, "args": [overrides]}], in order) in one launch of NPROC ranks (torchrun when
-    NPROC > 1): the start-up is paid once. Returns the launch's own output (each run's is in batch_log(out))."""
+def start_batch(root: Path, name: str, runs: list[dict], nproc: int = 1) -> subprocess.Popen:
+    """Starts RUNS ([{"out": folder, "args": [overrides]}], run in order) in one launch of NPROC ranks (torchrun when
+    NPROC > 1), the start-up paid once: the launch's own output is on the process's stdout (each run's is in
+    batch_log(out))."""
     spec = root / f"{name}.json"
     spec.write_text(json.dumps([{"out": str(r["out"]), "args": list(r["args"])} for r in runs]))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
-    result = subprocess.run([PYTHON, *launcher, "-m", "tests.dist.workers.batched_runs", str(spec)], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=timeout)
-    return result.stdout
+    return subprocess.Popen([PYTHON, *launcher, "-m", "tests.dist.workers.batched_runs", str(spec)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_batch(root: Path, name: str, runs: list[dict], nproc: int = 1, timeout: int = 1800) -> str:
+    """start_batch, waited for: the launch's own output."""
+    process = start_batch(root, name, runs, nproc)
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+class BatchedRuns:
+    """A module's runs, several per launch (tests/dist/workers/batched_runs.py). LAUNCHES, in order: (nproc,
+    [(name, overrides)]), each run into ROOT/name; a run that resumes another's checkpoint comes after it, in the same
+    launch or a later one. `runs(name)`: the folder of that run, finished; `runs.log(name)`: every rank's output."""
+
+    def __init__(self, root: Path, launches: list[tuple[int, list[tuple[str, list[str]]]]]):
+        self.root = root
+        self.outputs = [run_batch(root, f"launch{i}_{nproc}ranks",
+                                  [{"out": root / name, "args": args} for name, args in batch], nproc)
+                        for i, (nproc, batch) in enumerate(launches) if batch]
+
+    def started(self, name: str) -> Path:
+        out = self.root / name
+        assert any(out.parent.glob(f"{out.name}.rank*.log")), \
+            f"{name} never started (its launch died):\n" + "\n".join(output[-3000:] for output in self.outputs)
+        return out
+
+    def __call__(self, name: str) -> Path:
+        return assert_batch_ok(self.started(name))
+
+    def log(self, name: str) -> str:
+        return batch_log(self.started(name))
 
 
 def batch_log(out: Path) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import REPO, assert_batch_ok, read_metrics, run_batch
+from tests.helpers import REPO, BatchedRuns, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -48,12 +48,9 @@ def runs(tiny_model_dir, tmp_path_factory, base_args):
     root = tmp_path_factory.mktemp("ddp")
     (root / EVAL_FILE).write_text(
         "".join((REPO / "llmtrain/assets/data/reverse_eval.jsonl").read_text().splitlines(True)[:9]))
-    for nproc in (1, 2):
-        batch = [{"out": root / name, "args": base_args(tiny_model_dir, root / name,
-                                                        *(a.replace("{root}", str(root)) for a in args))}
-                 for name, (n, args) in RUNS.items() if n == nproc]
-        run_batch(root, f"ddp_{nproc}", batch, nproc)
-    return lambda name: assert_batch_ok(root / name)
+    return BatchedRuns(root, [(nproc, [(name, base_args(tiny_model_dir, root / name,
+                                                      *(a.replace("{root}", str(root)) for a in args)))
+                                       for name, (n, args) in RUNS.items() if n == nproc]) for nproc in (1, 2)])
 
 
 def test_ddp_two_ranks_match_one_process(runs, assert_close_series):

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from tests.helpers import (
-    assert_batch_ok,
+    BatchedRuns,
     assert_stopped_nonfinite,
     batch_log,
     ranks_refused,
     read_metrics,
-    run_batch,
     run_cli,
 )
 
@@ -66,29 +65,18 @@ def test_the_fused_head_equals_full_logits_under_zero3(runs, assert_close_series
     assert_close_series(fused, full, "grad_norm", 1e-6, 1e-5)
 
 
-class Runs:
-    """Every run of RUNS, then those of RESUMED (and zero3_nvme where NVMe offload can run), in one launch per rank
-    count (tests/dist/workers/batched_runs.py): the 2-rank launch first, whose checkpoints the 1-rank one loads.
-    `runs(name)` is the folder of a run that finished."""
-
-    def __init__(self, root: Path, model_dir: Path, base_args):
-        self.root = root
-        batches = {2: [(name, [*COMMON, *args]) for name, (_, args) in RUNS.items()], 1: []}
-        if async_io_builds():
-            batches[2].append(("zero3_nvme", [*COMMON, *RUNS["zero3"][1], *nvme_args(root / "nvme")]))
-        for name, (base, nproc, extra) in RESUMED.items():
-            batches[nproc].append((name, [*COMMON, *RUNS[base][1], f"resume={root / base}/checkpoints/step_6", *extra]))
-        for nproc, batch in batches.items():
-            runs = [{"out": root / name, "args": base_args(model_dir, root / name, *args)} for name, args in batch]
-            run_batch(root, f"deepspeed_{nproc}", runs, nproc)
-
-    def __call__(self, name: str) -> Path:
-        return assert_batch_ok(self.root / name)
-
-
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
-    return Runs(tmp_path_factory.mktemp("deepspeed"), tiny_model_dir, base_args)
+def runs(tiny_model_dir, tmp_path_factory, base_args) -> BatchedRuns:
+    """Every run of RUNS, then those of RESUMED (and zero3_nvme where NVMe offload can run), in one launch per rank
+    count: the 2-rank launch first, whose checkpoints the 1-rank one loads."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    batches = {2: [(name, [*COMMON, *args]) for name, (_, args) in RUNS.items()], 1: []}
+    if async_io_builds():
+        batches[2].append(("zero3_nvme", [*COMMON, *RUNS["zero3"][1], *nvme_args(root / "nvme")]))
+    for name, (base, nproc, extra) in RESUMED.items():
+        batches[nproc].append((name, [*COMMON, *RUNS[base][1], f"resume={root / base}/checkpoints/step_6", *extra]))
+    return BatchedRuns(root, [(nproc, [(name, base_args(tiny_model_dir, root / name, *args)) for name, args in batch])
+                              for nproc, batch in batches.items()])
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])

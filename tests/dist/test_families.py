@@ -9,14 +9,13 @@ use more than Llama's styles (tests/dist/conftest.py TP_FAMILIES) as one process
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, batch_log, cli_env, read_metrics
+from tests.helpers import batch_log, read_metrics, start_batch
 
 pytestmark = pytest.mark.dist
 
@@ -51,11 +50,7 @@ HEAD_RUNS = {"dp1": [("sft_off", "sft", ["model.fused_loss=off"]), ("dpo_off", "
 
 
 def _launch(root: Path, name: str, runs: list[dict], nproc: int = 1) -> tuple[subprocess.Popen, list[dict]]:
-    spec = root / f"{name}.json"
-    spec.write_text(json.dumps(runs))
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
-    return subprocess.Popen([PYTHON, *launcher, "-m", "tests.dist.workers.batched_runs", str(spec)], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), runs
+    return start_batch(root, name, runs, nproc), runs
 
 
 def _finish(processes: dict[str, tuple[subprocess.Popen, list[dict]]]) -> dict[str, str]:

@@ -32,14 +32,12 @@ from tests.helpers import (
     PYTHON,
     REPO,
     TOKENIZER_DIR,
-    assert_batch_ok,
+    BatchedRuns,
     assert_ok,
     assert_stopped_nonfinite,
-    batch_log,
     cli_env,
     ranks_refused,
     read_metrics,
-    run_batch,
     run_cli,
     save_tiny_model,
 )
@@ -83,53 +81,43 @@ TIED = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "traine
 TIED_RUNS = {"ddp": (8, "backend=ddp"), "fsdp2": (8, "backend=fsdp2"), "fsdp2_tp": (16, "backend=fsdp2_tp")}
 
 
-class Runs:
-    """Every (model, contender) run the tests read, the RESUMED runs and the TIED_RUNS (folders tied_<name>), in one
-    launch per rank count (tests/dist/workers/batched_runs.py): 2 ranks first, then 4 and 1, which resume
-    checkpoints the 2-rank launch saved (the 4-rank ones also their own launch's, saved earlier in it)."""
-
-    def __init__(self, root: Path, models: dict[str, Path]):
-        self.root, self.models = root, models
-        batches = {2: [], 4: [], 1: []}
-        for model, name in [("llama", "ddp"), ("qwen2", "ddp"), *PARITY, ("llama", "fsdp2_accum1")]:
-            args, nproc = contender_args(name, models[model], root / f"{model}_{name}")
-            batches[nproc].append({"out": root / f"{model}_{name}", "args": args})
-        for tied, (micro, backend) in TIED_RUNS.items():
-            out = root / f"tied_{tied}"
-            batches[2].append({"out": out, "args": [*TIED, backend, f"trainer.micro_batch_size={micro}"]})
-        for resumed, (source, name) in RESUMED.items():
-            args, nproc = contender_args(name, models["llama"], root / resumed,
-                                         f"resume={root}/llama_{source}/checkpoints/step_5")
-            batches[nproc].append({"out": root / resumed, "args": args})
-        for nproc, batch in batches.items():
-            run_batch(root, f"fsdp2_{nproc}", batch, nproc)
-
-    def get(self, model: str, name: str) -> Path:
-        return assert_batch_ok(self.root / f"{model}_{name}")
-
-    def log(self, model: str, name: str) -> str:
-        return batch_log(self.get(model, name))
+def launches(root: Path, models: dict[str, Path]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
+    """Every (model, contender) run the tests read (folder MODEL_NAME), the TIED_RUNS (tied_NAME) and the RESUMED
+    runs, one launch per rank count: 2 ranks first, then 4 and 1, which resume checkpoints the 2-rank launch saved
+    (the 4-rank ones also their own launch's, saved earlier in it)."""
+    batches = {2: [], 4: [], 1: []}
+    for model, name in [("llama", "ddp"), ("qwen2", "ddp"), *PARITY, ("llama", "fsdp2_accum1")]:
+        args, nproc = contender_args(name, models[model], root / f"{model}_{name}")
+        batches[nproc].append((f"{model}_{name}", args))
+    for tied, (micro, backend) in TIED_RUNS.items():
+        batches[2].append((f"tied_{tied}", [*TIED, backend, f"trainer.micro_batch_size={micro}"]))
+    for resumed, (source, name) in RESUMED.items():
+        args, nproc = contender_args(name, models["llama"], root / resumed,
+                                     f"resume={root}/llama_{source}/checkpoints/step_5")
+        batches[nproc].append((resumed, args))
+    return list(batches.items())
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory) -> Runs:
+def runs(tiny_model_dir, tmp_path_factory) -> BatchedRuns:
     qwen2 = save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), model_type="qwen2")
-    return Runs(tmp_path_factory.mktemp("fsdp2_runs"), {"llama": tiny_model_dir, "qwen2": qwen2})
+    root = tmp_path_factory.mktemp("fsdp2_runs")
+    return BatchedRuns(root, launches(root, {"llama": tiny_model_dir, "qwen2": qwen2}))
 
 
 @pytest.mark.parametrize("model,name", PARITY)
 def test_parity_with_ddp(runs, model, name, assert_close_series):
-    reference, ours = read_metrics(runs.get(model, "ddp"))[0], read_metrics(runs.get(model, name))[0]
+    reference, ours = read_metrics(runs(f"{model}_ddp"))[0], read_metrics(runs(f"{model}_{name}"))[0]
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]  # the same examples
     assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-5)
     assert reference[-1]["loss"] < reference[0]["loss"]
 
 
-def resume(runs: Runs, source: str, name: str) -> tuple[list[dict], list[dict]]:
+def resume(runs: BatchedRuns, source: str, name: str) -> tuple[list[dict], list[dict]]:
     """(the source run's steps 6-10, the same steps trained by `name` resumed from its step-5 checkpoint)."""
-    straight = runs.get("llama", source)
-    continued = read_metrics(assert_batch_ok(runs.root / f"{source}_as_{name}"))[0]
+    straight = runs(f"llama_{source}")
+    continued = read_metrics(runs(f"{source}_as_{name}"))[0]
     assert [r["step"] for r in continued] == list(range(6, 11))
     return read_metrics(straight)[0][5:], continued
 
@@ -137,13 +125,13 @@ def resume(runs: Runs, source: str, name: str) -> tuple[list[dict], list[dict]]:
 def test_live_activations_and_communication_match_the_plan(runs, assert_live_cost_matches_the_plan):
     """FSDP2's all-gathers (forward and backward) and reduce-scatter counted on step 2 within 5 % of the plan;
     activations within 25 %."""
-    assert_live_cost_matches_the_plan(runs.get("llama", "fsdp2"), states=False)  # accumulation 2: see the helper
+    assert_live_cost_matches_the_plan(runs("llama_fsdp2"), states=False)  # accumulation 2: see the helper
 
 
 def test_accumulation_does_not_change_the_step(runs, assert_close_series):
     """Micro 8 × accumulation 1 equals micro 4 × accumulation 2 on 2 FSDP2 ranks: loss and grad norm of every step
     to 1e-6 relative."""
-    reference, ours = read_metrics(runs.get("llama", "fsdp2"))[0], read_metrics(runs.get("llama", "fsdp2_accum1"))[0]
+    reference, ours = read_metrics(runs("llama_fsdp2"))[0], read_metrics(runs("llama_fsdp2_accum1"))[0]
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
     assert [r["lr"] for r in ours] == [r["lr"] for r in reference]
     assert_close_series(ours, reference, "loss", 1e-6, 1e-6)
@@ -172,7 +160,7 @@ def test_resharded_load_export_and_bytes(runs, tmp_path):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    step_dir = runs.get("llama", "fsdp2") / "checkpoints" / "step_5"
+    step_dir = runs("llama_fsdp2") / "checkpoints" / "step_5"
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
            "tests.dist.workers.fsdp2_checks", str(runs.models["llama"]), str(step_dir), str(tmp_path)]
     result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -233,7 +221,7 @@ def test_bad_layout_fails_on_every_rank_before_the_model_loads(tiny_model_dir, t
                                                    ("llama", "hsdp", "ranks 1, 2, 3")])
 def test_only_rank0_builds_the_model(runs, model, name, meta_ranks):
     """The parity runs above (from_pretrained folders) built the model on meta on every rank but 0."""
-    assert f"fsdp2: {meta_ranks} built the model on meta, weights from rank 0" in runs.log(model, name)
+    assert f"fsdp2: {meta_ranks} built the model on meta, weights from rank 0" in runs.log(f"{model}_{name}")
 
 
 def test_from_config_with_tied_embeddings_trains_as_ddp(runs, assert_close_series):
@@ -241,11 +229,11 @@ def test_from_config_with_tied_embeddings_trains_as_ddp(runs, assert_close_serie
     said in the log): 3 steps as DDP's (TIED_RUNS)."""
     metrics = {}
     for name in TIED_RUNS:
-        log = runs.log("tied", name)
+        log = runs.log(f"tied_{name}")
         assert (name == "ddp") != ("rank 1 built the model on meta" in log)
         assert (name == "fsdp2_tp") == ("LM head is tied to the input embedding: kept replicated over tp" in
                                         log)  # models/vocab_parallel.py splits untied heads only
-        metrics[name] = read_metrics(runs.get("tied", name))[0]
+        metrics[name] = read_metrics(runs(f"tied_{name}"))[0]
     for name in ("fsdp2", "fsdp2_tp"):
         assert_close_series(metrics[name], metrics["ddp"], "loss", 1e-6, 1e-5)
         assert_close_series(metrics[name], metrics["ddp"], "grad_norm", 1e-6, 1e-5)

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, assert_batch_ok, assert_ok, batch_log, cli_env, read_metrics, run_batch
+from tests.helpers import PYTHON, REPO, BatchedRuns, assert_ok, batch_log, cli_env, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -36,22 +35,16 @@ def runs(tiny_model_dir, tmp_path_factory, base_args, pair_args):
     the policy with adapters off, 6 steps of 8 pairs, eval at 0, 3, 6). -> `runs(name)`: the run's folder, finished."""
     root = tmp_path_factory.mktemp("lora")
 
-    def sft(name: str, backend: str, *extra: str) -> dict:
-        return {"out": root / name, "args": base_args(tiny_model_dir, root / name, *COMMON, *BACKENDS[backend], *extra)}
+    def sft(name: str, backend: str, *extra: str) -> tuple[str, list[str]]:
+        return name, base_args(tiny_model_dir, root / name, *COMMON, *BACKENDS[backend], *extra)
 
-    def dpo(backend: str) -> dict:
-        return {"out": root / f"dpo_{backend}", "args": [*pair_args("dpo"), f"model.name_or_path={tiny_model_dir}",
-                                                         *DPO_LORA, *BACKENDS[backend]]}
+    def dpo(backend: str) -> tuple[str, list[str]]:
+        return f"dpo_{backend}", [*pair_args("dpo"), f"model.name_or_path={tiny_model_dir}", *DPO_LORA,
+                                  *BACKENDS[backend]]
 
     batch = [*(sft(backend, backend) for backend in BACKENDS), *(dpo(backend) for backend in ("ddp", "zero3", "fsdp2"))]
     batch += [sft(f"{backend}_resumed", backend, f"resume={root / backend}/checkpoints/step_3") for backend in BACKENDS]
-    output = run_batch(root, "lora", batch, nproc=2)
-
-    def finished(name: str) -> Path:
-        assert any(root.glob(f"{name}.rank*.log")), f"{name} never started (its launch died):\n{output[-3000:]}"
-        return assert_batch_ok(root / name)
-
-    return finished
+    return BatchedRuns(root, [(2, batch)])
 
 
 @pytest.mark.parametrize("backend", ["zero2", "zero3", "fsdp2"])

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_batch_ok, batch_log, read_metrics, run_batch
+from tests.helpers import REPO, BatchedRuns, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -134,28 +134,13 @@ def _launches(runs: dict[str, tuple[int, list[str]]]) -> list[tuple[int, list[st
     return launches
 
 
-class Runs:
-    """Every run of the module, run by the fixture; `runs(name)` is its folder once it finished, `runs.log(name)` its
-    output (every rank)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def __call__(self, name: str) -> Path:
-        return assert_batch_ok(self.root / name)
-
-    def log(self, name: str) -> str:
-        return batch_log(self.root / name)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir) -> Runs:
-    """All the module's runs, several per launch (tests/dist/workers/batched_runs.py): 4 launches instead of 22."""
+def runs(tmp_path_factory, tiny_model_dir) -> BatchedRuns:
+    """All the module's runs, several per launch: 4 launches instead of 22."""
     root = tmp_path_factory.mktemp("pp_runs")
     spec = _all_runs(root, tiny_model_dir)
-    for i, (processes, names) in enumerate(_launches(spec)):
-        run_batch(root, f"launch{i}", [{"out": root / name, "args": spec[name][1]} for name in names], processes)
-    return Runs(root)
+    return BatchedRuns(root, [(processes, [(name, spec[name][1]) for name in names])
+                              for processes, names in _launches(spec)])
 
 
 def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) -> None:

@@ -21,7 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from tests.helpers import REPO, assert_batch_ok, batch_log, read_metrics, run_batch
+from tests.helpers import REPO, BatchedRuns, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -61,15 +61,12 @@ def runs(tmp_path_factory):
         return [*STAGES[stage], *SHORT, f"data.eval_files=[{eval_file}]", *BACKENDS[backend],
                 *(["ppo.packing=true"] if name in PACKED else []), *extra]
 
-    output = run_batch(root, "straight", [{"out": root / name, "args": args(name)} for name in RUNS], nproc=2)
-    output += run_batch(root, "resumed", [{"out": root / f"{name}_resumed",
-                                           "args": [*args(name), f"resume={root / name}/checkpoints/step_2"]}
-                                          for name in RESUMED], nproc=2)
+    batched = BatchedRuns(root, [(2, [(name, args(name)) for name in RUNS]),
+                                 (2, [(f"{name}_resumed", [*args(name), f"resume={root / name}/checkpoints/step_2"])
+                                      for name in RESUMED])])
 
     def get(name: str) -> Path:
-        out = root / name
-        assert batch_log(out), f"{name}: its launch stopped before it\n{output[-6000:]}"
-        assert_batch_ok(out)
+        out = batched(name)
         if name.removesuffix("_resumed") in PACKED:  # the override reached the run's resolved config
             assert OmegaConf.load(out / "config.yaml").ppo.packing is True
         return out

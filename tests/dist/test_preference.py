@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, assert_batch_ok, batch_log, read_metrics, run_batch
+from tests.helpers import REPO, BatchedRuns, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -55,10 +54,10 @@ def runs(tiny_model_dir, tmp_path_factory, pair_args):
     root = tmp_path_factory.mktemp("preference")
     eval_file = root / "eval.jsonl"
     eval_file.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(True)[:32]))
-    launches: dict[int, list[dict]] = {}
+    launches: dict[int, list[tuple[str, list[str]]]] = {}
 
     def add(name: str, ranks: int, args: list[str]) -> None:
-        launches.setdefault(ranks, []).append({"out": root / name, "args": args})
+        launches.setdefault(ranks, []).append((name, args))
 
     def pair(name: str, *extra: str) -> list[str]:
         stage, backend, overrides, _ = PAIR_RUNS[name]
@@ -71,14 +70,7 @@ def runs(tiny_model_dir, tmp_path_factory, pair_args):
     for name, (backend, ranks) in FROM_CONFIG_RUNS.items():
         add(f"from_config_{name}", ranks, [*FROM_CONFIG, *BACKENDS[backend], f"data.eval_files=[{eval_file}]",
                                            f"trainer.micro_batch_size={8 // ranks}"])
-    outputs = {ranks: run_batch(root, f"ranks{ranks}", batch, nproc=ranks) for ranks, batch in launches.items()}
-
-    def finished(name: str) -> Path:
-        assert any(root.glob(f"{name}.rank*.log")), \
-            f"{name} never started (its launch died):\n" + "\n".join(out[-3000:] for out in outputs.values())
-        return assert_batch_ok(root / name)
-
-    return finished
+    return BatchedRuns(root, list(launches.items()))
 
 
 @pytest.mark.parametrize("backend, stage", PARITY)
@@ -158,10 +150,10 @@ def test_precomputed_reference_logps_train_as_the_live_reference_and_resume_bitw
     table = torch.load(straight / "ref_logps.pt", weights_only=True)
     assert table["meta"]["averaged"] is False and len(table["table"]) >= 32  # the 32 eval pairs, and the trained
     assert sorted(p.name for p in (straight / "checkpoints" / "step_3" / "engines").iterdir()) == ["policy"]
-    log = batch_log(straight)
+    log = runs.log("dpo_zero3_precomputed")
     assert "reference log-probs of" in log and "the reference role is released" in log
     resumed = runs("dpo_zero3_precomputed_resumed")
-    resumed_log = batch_log(resumed)
+    resumed_log = runs.log("dpo_zero3_precomputed_resumed")
     assert "reference log-probs of" not in resumed_log and (resumed / "ref_logps.pt").is_file()  # read, kept
     continued = read_metrics(resumed)
     assert [_logged(r) for r in continued[0]] == [_logged(r) for r in cached[0][3:]]

@@ -17,11 +17,10 @@ tests/dist/test_preference.py.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, assert_batch_ok, assert_ok, cli_env, read_metrics, run_batch
+from tests.helpers import PYTHON, REPO, BatchedRuns, assert_ok, cli_env, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -50,29 +49,17 @@ RESUMED = {"zero2_sp2_resumed": ("zero2_sp2", []), "zero2_sp2_as_sp1": ("zero2_s
            "fsdp2_sp2_as_sp1": ("fsdp2_sp2", SP1)}
 
 
-class Runs:
-    """Every run of the module, run by the fixture; `runs(name)` is its folder once it finished."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def __call__(self, name: str) -> Path:
-        return assert_batch_ok(self.root / name)
-
-
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory, base_args) -> Runs:
-    """All the module's runs, several per launch (tests/dist/workers/batched_runs.py): the 2-rank ones (a resumed run
-    after the run it loads) in one launch, the 4-rank ones in another."""
+def runs(tiny_model_dir, tmp_path_factory, base_args) -> BatchedRuns:
+    """All the module's runs, several per launch: the 2-rank ones (a resumed run after the run it loads) in one
+    launch, the 4-rank ones in another."""
     root = tmp_path_factory.mktemp("sequence_parallel")
     spec = {name: (NPROC.get(name, 2), [*COMMON, *overrides]) for name, overrides in RUNS.items()}
     for name, (source, overrides) in RESUMED.items():
         spec[name] = (spec[source][0], [*spec[source][1], f"resume={root / source}/checkpoints/step_3", *overrides])
-    for processes in sorted({processes for processes, _ in spec.values()}):
-        batch = [{"out": root / name, "args": base_args(tiny_model_dir, root / name, *args)}
-                 for name, (n, args) in spec.items() if n == processes]
-        run_batch(root, f"{processes}_ranks", batch, processes)
-    return Runs(root)
+    return BatchedRuns(root, [(processes, [(name, base_args(tiny_model_dir, root / name, *args))
+                                           for name, (n, args) in spec.items() if n == processes])
+                              for processes in sorted({processes for processes, _ in spec.values()})])
 
 
 @pytest.mark.parametrize("name", ["zero2_sp2", "zero3_sp2", "fsdp2_sp2", "fsdp2_sp2_unpacked", "fsdp2_dp2_sp2",
