@@ -332,7 +332,8 @@ def test_no_reference_role_when_beta_is_zero():
     assert "reference" in stage_roles(compose_config(["recipe=ppo_tiny", "ppo.kl.coef=0", "ppo.kl.target=0.1"]))
 
 
-def test_generation_in_batches_gives_the_same_greedy_rollout():
+@pytest.mark.parametrize("use_cache", [True, False])  # the lean sampling loop; HF generate (one config for all calls)
+def test_generation_in_batches_gives_the_same_greedy_rollout(use_cache):
     """ppo.rollout.generation_batch_size: the rank's sequences go through generate a few at a time (the KV cache of
     only that many at once); greedy, the rollout equals the one-call rollout (rows cut short pad after their EOS)."""
     from llmtrain.backends.ddp import DDPBackend
@@ -349,7 +350,7 @@ def test_generation_in_batches_gives_the_same_greedy_rollout():
                               "columns": {}} for n in (3, 7, 5, 4, 6)], pad_token_id=0)
     def rollout(size: int, eos_ids: list[int]):
         return generate(actor, batch, SamplingSettings(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=2,
-                                                       batch_size=size), pad_token_id=0, eos_ids=eos_ids, seed=3)
+                                                       batch_size=size, use_cache=use_cache), pad_token_id=0, eos_ids=eos_ids, seed=3)
 
     eos = int(rollout(0, [1]).responses[0, 2])  # a token the first prompt's greedy reply produces early
     rows: list[int] = []

@@ -12,8 +12,10 @@ left-padded prompt is seen exactly as the unpadded one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,16 +119,17 @@ def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int,
     return F.pad(ids, (extra, 0), value=pad_token_id), F.pad(mask, (extra, 0), value=0)
 
 
-def draw(model, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, pad_token_id: int,
-         eos_ids: list[int]) -> torch.Tensor:
-    """(b, P) prompts -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else generate."""
+def drawer(model, settings: SamplingSettings, pad_token_id: int,
+           eos_ids: list[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(b, P) prompts, mask -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else
+    `generate` with one neutral config for every call (run it inside neutral_generation_config)."""
     if sampler.supports(model, settings.use_cache):
-        return sampler.sample(model, ids, mask, max_new_tokens=settings.max_new_tokens,
-                              temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                              pad_token_id=pad_token_id, eos_ids=eos_ids)
-    with neutral_generation_config(model):
-        return model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
-                              generation_config=generation_config(settings, pad_token_id, eos_ids))
+        return functools.partial(sampler.sample, model, max_new_tokens=settings.max_new_tokens,
+                                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                                 pad_token_id=pad_token_id, eos_ids=eos_ids)
+    config = generation_config(settings, pad_token_id, eos_ids)  # generate copies it: one serves every call
+    return lambda ids, mask: model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
+                                            generation_config=config)
 
 
 def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int, eos_ids: list[int],
@@ -144,10 +147,9 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
     with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
         gather_s = time.perf_counter() - start
         torch.manual_seed(seed)
-        with actor.autocast():
-            size = settings.batch_size or ids.shape[0]
-            outs = [draw(model, ids[i:i + size], mask[i:i + size], settings, pad_token_id, eos_ids)
-                    for i in range(0, ids.shape[0], size)]
+        with actor.autocast(), neutral_generation_config(model):
+            draw, size = drawer(model, settings, pad_token_id, eos_ids), settings.batch_size or ids.shape[0]
+            outs = [draw(ids[i:i + size], mask[i:i + size]) for i in range(0, ids.shape[0], size)]
     longest = max(out.shape[1] for out in outs)  # a shorter call's rows all ended: pad after their EOS
     out = torch.cat([F.pad(out, (0, longest - out.shape[1]), value=pad_token_id) for out in outs])
     responses = out[:, width:]  # (B, a): this rank's longest response sets a
