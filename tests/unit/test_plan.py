@@ -26,8 +26,9 @@ from llmtrain.metrics.cost import (
 )
 from llmtrain.metrics.devices import GPUS, resolve_gpu
 from llmtrain.models.facts import ModelFacts, model_facts
-from llmtrain.plan import Setting, layout_of, longest_sequence, plan_row, plan_text, step_flops
+from llmtrain.plan import Setting, layout_of, longest_sequence, plan_row, step_flops
 from llmtrain.plan import setting as plan_setting
+from llmtrain.plan_report import plan_text
 from tests.helpers import REPO, cli_env
 
 COMPARED = compared_presets()

@@ -349,8 +349,9 @@ def test_generation_in_batches_gives_the_same_greedy_rollout(use_cache):
     batch = collate_prompts([{"prompt_ids": torch.randint(2, 64, (n,), generator=g).tolist(), "prompt": str(n),
                               "columns": {}} for n in (3, 7, 5, 4, 6)], pad_token_id=0)
     def rollout(size: int, eos_ids: list[int]):
-        return generate(actor, batch, SamplingSettings(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=2,
-                                                       batch_size=size, use_cache=use_cache), pad_token_id=0, eos_ids=eos_ids, seed=3)
+        settings = SamplingSettings(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=2, batch_size=size,
+                                    use_cache=use_cache)
+        return generate(actor, batch, settings, pad_token_id=0, eos_ids=eos_ids, seed=3)
 
     eos = int(rollout(0, [1]).responses[0, 2])  # a token the first prompt's greedy reply produces early
     rows: list[int] = []
