@@ -15,8 +15,8 @@ from llmtrain.backends.spec import sp_of
 from llmtrain.metrics.cost import GIB, Layout
 from llmtrain.metrics.devices import Gpu, host_memory_gib
 from llmtrain.models.facts import lora_trainable
-from llmtrain.plan import USABLE, Row, RunPlan, Setting, compared_layouts, largest_micro_batch, plan_row
-from llmtrain.plan_report import _size
+from llmtrain.plan import _size
+from llmtrain.plan_core import USABLE, Row, RunPlan, Setting, compared_layouts, largest_micro_batch, plan_row
 from llmtrain.stages.registry import stage_roles
 
 

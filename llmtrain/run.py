@@ -34,9 +34,9 @@ from llmtrain.models.load import (
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.ulysses import ulysses_attention
 from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
-from llmtrain.plan import RunPlan, check_backend_against_model
+from llmtrain.plan import plan_run
+from llmtrain.plan_core import RunPlan, check_backend_against_model
 from llmtrain.plan_fit import run_fit_problems
-from llmtrain.plan_report import plan_run
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages.base import trainable_roles

@@ -349,7 +349,7 @@ def test_plan_state_is_each_pp_ranks_own_and_the_planners_line(runs, name):
     bytes a parameter; tp 2 splits the blocks' planned share) and the planner's per-pp-rank lines (`python -m
     llmtrain.plan`), as do the activations and chunks in flight at that shape."""
     from llmtrain.compose import compose_config
-    from llmtrain.plan_report import plan_text
+    from llmtrain.plan import plan_text
 
     run = runs(name)
     first = read_metrics(run)[0][0]

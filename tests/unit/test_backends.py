@@ -21,7 +21,7 @@ from llmtrain.backends import (
 from llmtrain.compose import compose_config, conf_dir
 from llmtrain.config import ConfigError
 from llmtrain.parallel import ParallelDims
-from llmtrain.plan import layout_of, row_name
+from llmtrain.plan_core import layout_of, row_name
 from llmtrain.validation import validate
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llmtrain"

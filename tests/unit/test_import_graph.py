@@ -17,7 +17,8 @@ FLOORS = (
     ("llmtrain.backends", "llmtrain.stages", "llmtrain.roles", "llmtrain.trainer", "llmtrain.checkpoint"),
     ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan_rl", "llmtrain.plan_pp", "llmtrain.finished_run",
      "llmtrain.sequence_parallel"),
-    ("llmtrain.plan", "llmtrain.plan_fit", "llmtrain.run", "llmtrain.bases", "llmtrain.compose", "llmtrain.__main__"),
+    ("llmtrain.plan_core", "llmtrain.plan", "llmtrain.plan_fit", "llmtrain.run", "llmtrain.bases",
+     "llmtrain.compose", "llmtrain.__main__"),
 )
 
 

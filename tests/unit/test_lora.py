@@ -244,7 +244,7 @@ def test_plan_counts_the_frozen_base_as_weights_only():
     """The dry-run plan under peft=lora: the adapters' count (the formula, from the architecture alone) with grads
     and Adam, the base as fp32 weights; DPO's reference holds nothing of its own."""
     from llmtrain.metrics.flops import human
-    from llmtrain.plan_report import plan_run
+    from llmtrain.plan import plan_run
 
     cfg = compose_config(["recipe=lora_sft_tiny"])
     plan = plan_run(cfg, 1, torch.device("cpu"), "fp32").text

@@ -235,7 +235,7 @@ def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
 
 
 def test_plan_prints_each_pp_ranks_stages():
-    from llmtrain.plan_report import plan_text
+    from llmtrain.plan import plan_text
 
     text = plan_text(compose_config(["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", *PP2,
                                      "trainer.grad_accum_steps=4", "plan.world_size=4"]))

@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from llmtrain.models.fused_head import ChunkedTokenLogps, ChunkedTokenLoss, ChunkSettings
+    from llmtrain.models.chunked_head import ChunkedTokenLogps, ChunkedTokenLoss, ChunkSettings
     from llmtrain.models.vocab_parallel import VocabShard, gathered_logits
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

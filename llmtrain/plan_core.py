@@ -1,0 +1,402 @@
+"""The planner's figures: per role and backend, the bytes each rank holds (weights, gradients, optimizer state,
+gathered copies, activations, logits), the largest micro-batch and the longest sequence that fit, communication,
+FLOPs and step time, from a `Setting` (the resolved config and the model's facts on the meta device). plan.py prints
+them; the live cost (metrics/live.py) compares the run with `plan_figures`. docs/formulas.md, "The planner", has every
+formula."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from omegaconf import DictConfig
+
+from llmtrain.backends import compared_presets, spec_of
+from llmtrain.config import ConfigError
+from llmtrain.metrics.comm import planned
+from llmtrain.metrics.cost import (
+    GIB,
+    Collective,
+    Layout,
+    RoleParams,
+    StateBytes,
+    activation_bytes,
+    communication,
+    fused_head_bytes,
+    logits_bytes,
+    state_bytes,
+    step_seconds,
+    ulysses_all_to_all,
+)
+from llmtrain.metrics.devices import Gpu
+from llmtrain.metrics.flops import training_flops_per_token
+from llmtrain.metrics.live import PipelineRankFigures, PlanFigures
+from llmtrain.metrics.memory import planned_model_state_bytes
+from llmtrain.models.facts import ModelFacts, lora_trainable
+from llmtrain.models.fused_head import default_chunk_tokens
+from llmtrain.plan_pp import (
+    StageActivations,
+    in_flight_stages,
+    rank_state_bytes,
+    stage_head,
+)
+from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
+from llmtrain.stages.registry import stage_roles, stage_spec
+
+COMPARED = compared_presets()  # plan.compare_backends: each backend descriptor's rows
+USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets, fragmentation take the rest
+
+
+def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False,
+                scalar_head: bool = False, head_split: int = 1) -> RoleParams:
+    """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen; a view
+    (LoRA's reference: the policy with adapters disabled) holds nothing of its own; a scalar head (reward model,
+    critic) replaces an untied LM head with a (1, hidden) score. head_split > 1: the LM head's rows are split over
+    tp as the TP plan's layers are (vocab_split).
+    The numbers only: metrics/cost.py takes any (trainable, frozen) pair, so a LoRA counter elsewhere plugs in."""
+    params = facts.params - facts.head + facts.hidden if scalar_head else facts.params
+    t, f = (lora, params) if trainable and lora else (params, 0) if trainable else (0, params)
+    if view:
+        t, f = 0, 0
+    numels = [*facts.numels, facts.hidden] if scalar_head else facts.numels  # the LM head is never persistent
+    persistent = sum(n for n in numels if n <= layout.persistence_threshold) if layout.stage == 3 else 0
+    working, regathered = layout.backend.gathers(layout, facts)  # at once; again in backward (ZeRO-3's trace)
+    regathered = regathered if t or f else None
+    tp_params = facts.tp_params + (facts.head if head_split > 1 else 0)
+    return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=tp_params / facts.params,
+                      working=working, regathered=regathered, block_fraction=facts.layers * facts.block / facts.params)
+
+
+def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
+    """A Layout from a backend config node (its descriptor's `layout` on its ParallelDims); ConfigError when its
+    degrees do not fit the world."""
+    spec = spec_of(backend)
+    return spec.layout(name, backend, spec.parallel_dims(backend, world), hidden)
+
+
+def row_name(backend) -> str:
+    """The preset a backend config node is (its descriptor says): the row's name."""
+    return spec_of(backend).row_name(backend)
+
+
+def preset_backends() -> dict:
+    """The shipped presets compared (conf/backend/NAME.yaml composed onto the schema)."""
+    from hydra import compose, initialize_config_dir
+
+    from llmtrain.paths import conf_dir
+    from llmtrain.schema import register_schema
+
+    register_schema()
+    with initialize_config_dir(str(conf_dir()), version_base=None):
+        return {name: compose("config", overrides=[f"backend={name}"]).backend for name in COMPARED}
+
+
+@dataclass
+class Setting:
+    """Everything a row needs besides the layout."""
+    facts: ModelFacts
+    roles: dict[str, bool]  # role -> trainable
+    lora: int
+    views: frozenset[str]  # frozen roles that are a trainable role's model with adapters off (no weights of their own)
+    precision: str
+    gpu: Gpu
+    world: int
+    micro: int
+    accum: int
+    seq: int
+    rows_per_sample: int  # 2 for pair stages (chosen and rejected in one forward)
+    checkpointing: bool
+    scores: bool  # the resolved attention is eager: it stores the (b, a, s, s) scores (planned_attention)
+    mfu: float
+    logits_vocab: int  # V, or 1 for a reward model's score
+    head_chunk: int | None = None  # the fused LM head's chunk tokens (model.fused_loss); None: full logits
+    head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT, RL's token loss): gradients held
+    head_positions: int | None = None  # positions per row through the LM head (RL: the A + 1 response ones); None: all
+    rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
+    scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
+
+    @property
+    def fused_head(self) -> bool:
+        """The trained head is an LM head computed in chunks (model.fused_loss), not full logits or a score."""
+        return self.head_chunk is not None and self.logits_vocab != 1
+
+
+@dataclass
+class Row:
+    layout: Layout
+    states: dict[str, StateBytes]
+    activations: float
+    logits: float
+    device_bytes: float
+    fits: bool
+    max_micro: int
+    comm: list[Collective] = field(default_factory=list)
+    times: dict[str, float] | None = None
+    textbook: float = 0.0
+
+
+def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
+    """(activations, logits) per rank of every trainable role at micro-batch b."""
+    rows, elem = b * st.rows_per_sample, 2 if st.precision in ("bf16", "fp16") else 4
+    f = st.facts
+    trainable = sum(st.roles.values())
+    seq = -(-st.seq // layout.sp)  # sequence parallelism: each rank's shard of every row
+    act = activation_bytes(rows, seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
+                           tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
+                           softcapping=f.softcapping)
+    return trainable * act, trainable * head_bytes(st, rows, seq, vocab_split(st, layout))[1]
+
+
+def vocab_split(st: Setting, layout: Layout, role: str | None = None) -> int:
+    """The tp ranks the LM head's rows are split over (models/vocab_parallel.py): the fused head (model.fused_loss
+    on), untied, on a layout that splits it (FSDP2 with tp, no pp); 1 for full logits, a tied head, a scalar head."""
+    if st.head_chunk is None or not st.facts.head or role in st.scalar_heads:
+        return 1
+    return layout.head_tp
+
+
+def head_bytes(st: Setting, rows: int, seq: int, split: int = 1) -> tuple[float, float]:
+    """The LM head and loss of one forward: (what autograd holds to the backward, the peak). Full logits: b·s·V·4
+    both (the log-softmax cross-entropy saves); fused: metrics/cost.fused_head_bytes, with ⌈V/tp⌉ rows per rank when
+    the head is split over the vocabulary (`split`: each chunk's logits, the held weight gradient). RL sends only the
+    response positions to the head (logits_to_keep)."""
+    seq = min(seq, st.head_positions or seq)
+    if not st.fused_head:
+        full = logits_bytes(rows, seq, st.logits_vocab)
+        return full, full
+    return fused_head_bytes(rows, seq, -(-st.logits_vocab // split), st.facts.hidden, st.head_chunk, st.head_loss_sum)
+
+
+def largest_micro_batch(fixed: float, per_micro, usable: float, limit: int = 1 << 16) -> int:
+    """The largest b with fixed + per_micro(b) <= usable (0: not even 1); doubling, then bisection."""
+    if fixed + per_micro(1) > usable:
+        return 0
+    low, high = 1, 2
+    while high <= limit and fixed + per_micro(high) <= usable:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fixed + per_micro(mid) <= usable else (low, mid)
+    return low
+
+
+SEQ_SEARCH_LIMIT = 1 << 24  # the longest-sequence search stops doubling at 16M tokens
+
+
+def longest_sequence(st: Setting, layout: Layout) -> int:
+    """The longest data.max_seq_len whose micro-batch of 1 fits this layout on the device (0: not even one token per
+    rank): the states do not grow with s, activations and logits do (each sp rank holds s/sp of every row), so it is
+    the micro-batch search over s."""
+    one = replace(st, micro=1)
+    fixed = sum(s.device for s in _role_states(one, layout)[1].values())
+    return largest_micro_batch(fixed, lambda seq: sum(_per_micro(replace(one, seq=seq), layout, 1)),
+                               st.gpu.memory_gib * GIB * USABLE, limit=SEQ_SEARCH_LIMIT)
+
+
+def _role_states(st: Setting, layout: Layout) -> tuple[dict, dict]:
+    """({role: (RoleParams, trainable)}, {role: StateBytes}) of every role on this layout."""
+    f, on_gpu = st.facts, st.gpu.name != "cpu"
+    params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads,
+                                 vocab_split(st, layout, role)), trainable)
+              for role, trainable in st.roles.items()}
+    return params, {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
+
+
+def plan_row(st: Setting, layout: Layout) -> Row:
+    f, on_gpu = st.facts, st.gpu.name != "cpu"
+    params, states = _role_states(st, layout)
+    fixed = sum(s.device for s in states.values())
+    act, logit = _per_micro(st, layout, st.micro)
+    usable = st.gpu.memory_gib * GIB * USABLE
+    device = fixed + act + logit
+    tokens = st.micro * -(-st.seq // layout.sp) * st.rows_per_sample  # this rank's: s/sp of each row
+    shape = dict(tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers, checkpointing=st.checkpointing,
+                 on_gpu=on_gpu)
+    if st.rl is not None:
+        comm = rl_communication(params, layout, st.precision, st.rl.schedule(layout.dp), **shape)
+    else:
+        comm = [c for p, _ in params.values() for c in communication(p, layout, st.precision, accum=st.accum, **shape)]
+        comm += [c for trainable in st.roles.values() for c in ulysses_all_to_all(
+            layout, st.precision, tokens_per_micro=tokens, hidden=f.hidden, kv_hidden=f.kv_heads * f.hidden // f.heads,
+            kv_heads=f.kv_heads, layers=f.layers, accum=st.accum, trainable=trainable, checkpointing=st.checkpointing)]
+    times = None
+    if st.gpu.peak_tflops:
+        model, hardware = step_flops(st, layout)
+        times = step_seconds(hardware / st.world, comm, peak_flops=st.gpu.peak_tflops * 1e12, mfu=st.mfu,
+                             link_bytes_per_s=st.gpu.link_gb_per_s * 1e9)
+        times["mfu"] = model / st.world / (times["step_s"] * st.gpu.peak_tflops * 1e12)
+    textbook = sum(planned_model_state_bytes(num_params=st.lora or f.params, stage=layout.stage, dp=layout.shards,
+                                             mixed_precision=st.precision in ("bf16", "fp16"))
+                   for trainable in st.roles.values() if trainable)
+    return Row(layout, states, act, logit, device, device <= usable,
+               largest_micro_batch(fixed, lambda b: sum(_per_micro(st, layout, b)), usable), comm, times, textbook)
+
+
+def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one optimizer step over all ranks: 6·M + 12·L·h·s per token per trainable
+    role, 2·M + 4·L·h·s per frozen one (forward only); checkpointing adds one forward of the blocks to hardware."""
+    f = st.facts
+    trainable = sum(st.roles.values())
+    if st.rl is not None:  # an iteration: generation, experience forwards, epochs of updates (plan_rl.rl_flops)
+        model = rl_flops(st.rl, st.roles, f.params, f.layers, f.hidden, st.seq)
+        trained_tokens = st.rl.epochs * st.rl.samples * st.seq
+    else:
+        tokens = st.micro * st.accum * layout.dp * st.seq * st.rows_per_sample
+        train = training_flops_per_token(f.params, f.layers, f.hidden, st.seq)
+        model = tokens * (trainable * train + (len(st.roles) - trainable) * train / 3)
+        trained_tokens = tokens
+    recompute = trained_tokens * trainable * (2 * f.layers * f.block + 4 * f.layers * f.hidden * st.seq)
+    return model, model + (recompute if st.checkpointing else 0.0)
+
+
+def planned_attention(cfg: DictConfig, gpu: Gpu, precision: str, facts: ModelFacts) -> str:
+    """The attention the run resolves (run.py, models/load.py): an explicit one as given, `auto`'s pick for the
+    planned device, then eager where the family's transformers class lacks it (Gemma-2 has no sdpa). A GPU planned
+    from a machine without one is taken to have Triton (CUDA builds of torch ship it): flex_segments, or sdpa_segments
+    with dropout; flash-attention and flex both exist in the families that lack sdpa, so either gives the same count."""
+    from llmtrain.models.attention import SEGMENT_ATTENTION
+    from llmtrain.models.flex import FLEX_ATTENTION
+    from llmtrain.models.load import resolve_attn_implementation
+
+    m = cfg.model
+    if m.attn_implementation != "auto":
+        attn = m.attn_implementation
+    elif gpu.name == "cpu" or torch.cuda.is_available():
+        attn = resolve_attn_implementation("auto", torch.device("cpu" if gpu.name == "cpu" else "cuda"), precision,
+                                           m.dropout)
+    else:
+        attn = FLEX_ATTENTION if m.dropout == 0 else SEGMENT_ATTENTION
+    return "eager" if attn in facts.lacks_attention else attn
+
+
+def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
+    attn = planned_attention(cfg, gpu, precision, facts)
+    lora = lora_trainable(cfg)
+    spec, roles = stage_spec(cfg.stage.name), stage_roles(cfg)
+    views = frozenset(role for role, r in roles.items() if lora and r.adapter_off_of)
+    scalar_heads = frozenset(role for role, r in roles.items() if r.head == "scalar")
+    trainable_scalar = all(r.head == "scalar" for r in roles.values() if r.trainable)
+    rl = spec.rl_shape(cfg) if spec.rl_shape else None
+    return Setting(facts=facts, roles={role: r.trainable for role, r in roles.items()}, scalar_heads=scalar_heads,
+                   lora=lora, views=views, precision=precision, gpu=gpu, world=world,
+                   micro=cfg.trainer.micro_batch_size, accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
+                   rows_per_sample=spec.sequences_per_sample, checkpointing=cfg.model.activation_checkpointing,
+                   scores=attn == "eager", mfu=cfg.plan.mfu, logits_vocab=1 if trainable_scalar else facts.vocab,
+                   rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
+                   head_loss_sum=spec.token_losses or bool(rl and rl.token_loss),
+                   head_positions=rl.max_new_tokens + 1 if rl else None)
+
+
+def planned_head_chunk(m, facts: ModelFacts) -> int | None:
+    """model.fused_loss / loss_chunk_tokens -> the fused head's chunk tokens; None: full logits."""
+    if m.fused_loss == "off":
+        return None
+    return m.loss_chunk_tokens or default_chunk_tokens(facts.vocab, facts.hidden)
+
+
+def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
+    return [plan_row(st, layout) for layout in layouts]
+
+
+def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
+                     sp: int = 1) -> tuple[list[Layout], list[str]]:
+    """Every preset that fits this world and model, and a note per one that does not; with `sp` > 1, each preset
+    whose backend shards sequences (a `backend.sp` field) at that sp."""
+    from omegaconf import OmegaConf
+
+    from llmtrain.models.lora_checks import peft_problems
+    from llmtrain.validation import backend_problems
+
+    layouts, notes = [], []
+    for name, backend in preset_backends().items():
+        if sp > 1 and "sp" in spec_of(backend).fields():
+            backend = OmegaConf.merge(backend, {"sp": sp})
+        problems = backend_problems(backend, world) + peft_problems(cfg.peft, backend)
+        problems = problems or spec_of(backend).plan_problems(backend, world, facts)
+        if problems:
+            notes.append(f"{name}: left out ({'; '.join(problems)})")
+            continue
+        layouts.append(layout_of(name, backend, world, facts.hidden))
+    return layouts, notes
+
+
+def plan_precision(cfg: DictConfig, gpu: Gpu) -> str:
+    return cfg.precision if cfg.precision != "auto" else ("fp32" if gpu.name == "cpu" else "bf16")
+
+
+def check_backend_against_model(cfg: DictConfig, world: int) -> None:
+    """The backend's checks that need the model's architecture (heads, kv-heads: config.json, no weights)."""
+    from llmtrain.backends import backend_model_problems
+    from llmtrain.models.load import model_config
+
+    m = cfg.model
+    problems = backend_model_problems(cfg.backend, world, lambda: model_config(
+        m.name_or_path, m.from_config, m.config_path, m.trust_remote_code))
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The planner's view of one run, computed once: the dry-run text, the figures the live cost compares with, and
+    what the fit check reads (its setting, its backend's row, the device: plan_fit.run_fit_problems)."""
+    text: str
+    figures: PlanFigures
+    setting: Setting | None = None
+    row: Row | None = None
+    gpu: Gpu | None = None
+
+
+def stage_activations(st: Setting, layout: Layout) -> StageActivations:
+    """The pipeline's per-stage activation count for this setting on this layout (tp splits the blocks)."""
+    return StageActivations(st.facts, st.checkpointing, 2 if st.precision in ("bf16", "fp16") else 4, layout.tp,
+                            st.scores, lambda rows, seq: head_bytes(st, rows, seq, vocab_split(st, layout))[0])
+
+
+def pipelined_head(st: Setting) -> int:
+    """The last stage's head parameters for the role the pipeline runs (pipeline_checks: the one trainable role)."""
+    role = next((name for name, trainable in st.roles.items() if trainable), None)
+    return stage_head(st.facts, role in st.scalar_heads)
+
+
+def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[PipelineRankFigures, ...]:
+    """Per pp rank, what the live cost compares with: its model states and activations in flight (() without pp)."""
+    if pipeline is None:
+        return ()
+    count = stage_activations(st, layout)
+
+    def activations(rank: int):
+        return lambda rows, seq: count.rank(pipeline, rank, rows, seq)
+
+    head = pipelined_head(st)
+    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, head=head, dp=dp, tp=layout.tp),
+                                     activations(rank),
+                                     len(in_flight_stages(pipeline, rank))) for rank in range(pipeline.pp))
+
+
+def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Collective] = (),
+                 pipeline: tuple[PipelineRankFigures, ...] = ()) -> PlanFigures:
+    """The planner's row for this run's backend, world and device, as the live cost compares with it (p2p: the
+    pipeline's sends, plan_pp.pipeline_p2p; pipeline: its per-pp-rank figures)."""
+    facts, elem = st.facts, 2 if precision in ("bf16", "fp16") else 4
+
+    def activations(rows: int, seq: int) -> float:
+        """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
+        as if all were alive at once)."""
+        return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
+                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads,
+                                 softcapping=facts.softcapping)
+                + head_bytes(st, rows, seq, vocab_split(st, row.layout))[0])
+
+    # a rank's share of one token's FLOPs: its tp peers and pp stages compute the same tokens (dp and sp peers split
+    # the tokens instead, which the meter counts), so its tokens × the whole model's FLOPs would count them tp·pp times
+    peers = row.layout.tp * max(1, len(pipeline))
+    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq) / peers
+    recompute = (2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq) / peers \
+        if st.checkpointing else 0
+    # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
+    return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
+                       gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
+                       flops_per_token=model, hardware_flops_per_token=model + recompute,
+                       peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
+                       comm=planned([*row.comm, *p2p]), pipeline=pipeline)
