@@ -82,3 +82,36 @@ def test_supports_plain_causal_lms_with_the_cache_only(model):
     other = OwnGenerate(model.config)
     assert not sampler.supports(other, use_cache=True)
     assert not sampler.supports(torch.nn.Linear(2, 2), use_cache=True)
+
+
+def test_under_lora_the_loop_samples_the_adapted_model_as_peft_generate_does(model):
+    """A peft LoRA wrapper overrides `generate`; the loop runs the transformers model inside it (its layers carry the
+    adapters) and draws, bit for bit, what peft's own `generate` draws, adapters on (B made non-zero so they matter).
+    A prompt-learning method (virtual tokens only the wrapper adds) keeps `generate`."""
+    import copy
+
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    torch.manual_seed(2)
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    assert sampler.sampled_module(lora, use_cache=True) is lora.get_base_model()
+    settings = SamplingSettings(max_new_tokens=10, temperature=1.0)
+    ids, mask = prompts()
+    draws = {}
+    for name, adapted in (("peft generate", lora), ("lean loop", None), ("base without adapters", model)):
+        with torch.no_grad():
+            torch.manual_seed(5)
+            if adapted is None:
+                draws[name] = sampler.sample(sampler.sampled_module(lora, True), ids, mask, max_new_tokens=10,
+                                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD, eos_ids=[39])
+            else:
+                draws[name] = adapted.generate(input_ids=ids, attention_mask=mask,
+                                               generation_config=generation_config(settings, PAD, [39]))
+    assert torch.equal(draws["lean loop"], draws["peft generate"])
+    assert not torch.equal(draws["lean loop"], draws["base without adapters"])  # the adapters were sampled
+    prompt_tuned = get_peft_model(copy.deepcopy(model), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert sampler.sampled_module(prompt_tuned, use_cache=True) is None

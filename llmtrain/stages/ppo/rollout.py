@@ -123,8 +123,9 @@ def drawer(model, settings: SamplingSettings, pad_token_id: int,
            eos_ids: list[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """(b, P) prompts, mask -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else
     `generate` with one neutral config for every call (run it inside neutral_generation_config)."""
-    if sampler.supports(model, settings.use_cache):
-        return functools.partial(sampler.sample, model, max_new_tokens=settings.max_new_tokens,
+    sampled = sampler.sampled_module(model, settings.use_cache)
+    if sampled is not None:
+        return functools.partial(sampler.sample, sampled, max_new_tokens=settings.max_new_tokens,
                                  temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                                  pad_token_id=pad_token_id, eos_ids=eos_ids)
     config = generation_config(settings, pad_token_id, eos_ids)  # generate copies it: one serves every call

@@ -9,8 +9,11 @@ column; `logits_to_keep=1`), takes the last logits as float32, applies HF's own 
 the same tokens, bit for bit (tests/unit/test_ppo_sampler.py checks it against `generate`). Finished rows get the
 pad token, and the loop stops when every row has emitted an EOS or `max_new_tokens` are drawn, as `generate` does.
 
-`supports` says when the loop applies; otherwise rollout.py calls `generate` (no KV cache, a model that overrides
-`generate` such as a PEFT wrapper, an MoE whose decode switches its experts kernel off the CPU).
+`sampled_module` says what the loop runs: the model itself where `supports` it, or under LoRA the transformers model
+inside peft's wrapper (peft injects the adapters into its layers, so its forward is the adapted model's, and peft's
+own `generate` only calls that model's); otherwise rollout.py calls `generate` (no KV cache, a model that overrides
+`generate`'s steps, a prompt-learning peft method whose virtual tokens only peft's wrapper adds, an MoE whose decode
+switches its experts kernel off the CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from llmtrain.models.lora import is_peft
 
 # generate's own steps this loop reproduces: a model that overrides one of them gets `generate`
 DEFAULT_STEPS = ("generate", "_sample", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
@@ -36,6 +41,16 @@ def supports(model: torch.nn.Module, use_cache: bool) -> bool:
     experts = getattr(model, "get_experts_implementation", None)
     switches_experts = experts is not None and "grouped_mm" in experts().values()  # generate's decode switch
     return not (switches_experts and model.device.type != "cpu")
+
+
+def sampled_module(model: torch.nn.Module, use_cache: bool) -> torch.nn.Module | None:
+    """The module the lean loop samples from for `model` (a peft LoRA wrapper: the adapted model inside it), or None
+    where only `generate` draws the right tokens."""
+    if is_peft(model):
+        if model.active_peft_config.is_prompt_learning:
+            return None
+        model = model.get_base_model()
+    return model if supports(model, use_cache) else None
 
 
 def warpers(temperature: float, top_k: int, top_p: float) -> list:
