@@ -154,7 +154,7 @@ def test_dp2_checkpoint_resumes_resharded(runs, name, assert_close_series):
     assert_close_series(continued, reference, "grad_norm", 1e-6, 1e-5)
 
 
-def test_resharded_load_export_and_bytes(runs, tmp_path):
+def test_resharded_load_export_and_bytes(runs, tiny_model_dir, tmp_path):
     """Worker under torchrun, 2 ranks (`worker` in tests/dist/workers/fsdp2_checks.py)."""
     import torch
     from safetensors.torch import load_file
@@ -162,7 +162,7 @@ def test_resharded_load_export_and_bytes(runs, tmp_path):
 
     step_dir = runs("llama_fsdp2") / "checkpoints" / "step_5"
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-           "tests.dist.workers.fsdp2_checks", str(runs.models["llama"]), str(step_dir), str(tmp_path)]
+           "tests.dist.workers.fsdp2_checks", str(tiny_model_dir), str(step_dir), str(tmp_path)]
     result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert_ok(result)
     reports = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
