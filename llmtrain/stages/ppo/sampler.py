@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from llmtrain.models.lora import is_peft
+from llmtrain.models.lora import is_peft, unwrap_peft
 
 # generate's own steps this loop reproduces: a model that overrides one of them gets `generate`
 DEFAULT_STEPS = ("generate", "_sample", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
@@ -46,10 +46,9 @@ def supports(model: torch.nn.Module, use_cache: bool) -> bool:
 def sampled_module(model: torch.nn.Module, use_cache: bool) -> torch.nn.Module | None:
     """The module the lean loop samples from for `model` (a peft LoRA wrapper: the adapted model inside it), or None
     where only `generate` draws the right tokens."""
-    if is_peft(model):
-        if model.active_peft_config.is_prompt_learning:
-            return None
-        model = model.get_base_model()
+    if is_peft(model) and model.active_peft_config.is_prompt_learning:
+        return None
+    model = unwrap_peft(model)
     return model if supports(model, use_cache) else None
 
 
