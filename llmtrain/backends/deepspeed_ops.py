@@ -53,24 +53,33 @@ def warn_stale_build_locks() -> None:
                     "forever. Delete it (rm %s) when no other build runs on this machine", lock, age_min, lock)
 
 
-def prebuild(names: tuple[str, ...] | None = None) -> dict[str, str]:
-    """Build (or load from the cache) each op in one process: {op: 'built' | why it cannot build here}."""
+def build_op(name: str) -> str:
+    """Build (or load from the cache) one op: 'built (N s)' or why it cannot build here."""
     from deepspeed.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
-    results = {}
-    for name in names or OPS_BY_ACCELERATOR.get(accelerator.device_name(), ()):
-        builder = accelerator.create_op_builder(name)
-        if builder is None or not builder.is_compatible(verbose=False):
-            results[name] = "not compatible here"
-            continue
-        started = time.perf_counter()
-        try:
-            builder.load(verbose=False)
-            results[name] = f"built ({time.perf_counter() - started:.0f} s)"
-        except Exception as error:  # noqa: BLE001 - a build fails in many ways; the run reports it when it needs it
-            results[name] = f"cannot build: {error}"
-    return results
+    builder = get_accelerator().create_op_builder(name)
+    if builder is None or not builder.is_compatible(verbose=False):
+        return "not compatible here"
+    started = time.perf_counter()
+    try:
+        builder.load(verbose=False)
+    except Exception as error:  # noqa: BLE001 - a build fails in many ways; the run reports it when it needs it
+        return f"cannot build: {error}"
+    return f"built ({time.perf_counter() - started:.0f} s)"
+
+
+def prebuild(names: tuple[str, ...] | None = None) -> dict[str, str]:
+    """Build each op in its own process, all at once: {op: outcome}. Each op compiles under its own lock in its own
+    folder, and one op's compiler mostly runs one file at a time, so the ops side by side fill the cores."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    if names is None:
+        from deepspeed.accelerator import get_accelerator
+
+        names = OPS_BY_ACCELERATOR.get(get_accelerator().device_name(), ())
+    with ProcessPoolExecutor(max_workers=max(1, len(names)), mp_context=get_context("spawn")) as pool:
+        return dict(zip(names, pool.map(build_op, names)))
 
 
 def import_deepspeed():
