@@ -3,8 +3,10 @@ launch, not once per run. `python -m tests.dist.workers.batched_runs SPEC.json` 
 same SPEC): SPEC is a list of {"out": run folder, "args": [CLI overrides]}; each run composes and runs as
 `python -m llmtrain ARGS` would, one after the other (a later run may resume an earlier one). Each run's output,
 stdout and stderr of every rank, goes to OUT.rank<r>.log beside its folder (tests.helpers.batch_log reads them);
-a run that raises writes its traceback to OUT/error_rank<r>.txt and the next run goes on; the process exits 1 if
-any failed. tests.helpers.run_batch launches it."""
+a run that raises writes its traceback to OUT/error_rank<r>.txt. In one process the next run goes on; under torchrun
+the rank exits at once, and torchrun stops the others: a peer of the failed rank would otherwise wait in a collective
+for trainer.collective_timeout_s (600 s) before the batch went on. The process exits 1 if any run failed;
+tests.helpers.run_batch launches it."""
 
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ def main(spec_file: str) -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"error_rank{env_rank()}.txt").write_text(traceback.format_exc())
                 print(f"{out.name}: failed\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if failed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            print(f"{out.name} failed on rank {env_rank()}: the launch stops here, its later runs do not start",
+                  file=sys.stderr, flush=True)
+            break
         if "deepspeed.utils.groups" in sys.modules:  # DeepSpeed keeps the last run's (destroyed) groups otherwise
             sys.modules["deepspeed.utils.groups"]._release_process_group_references()
     return 1 if failed else 0
