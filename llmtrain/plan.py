@@ -183,7 +183,8 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
     pipeline = pipeline_layout(cfg.backend, st.facts, accum=st.accum, seq=st.seq)
     lines += pipeline_lines(cfg.backend, st.facts, micro=micro, accum=st.accum, seq=st.seq, precision=st.precision,
                             dp=data_parallel_size(cfg.backend, world), tp=run_layout.tp, head=pipelined_head(st),
-                            rank_activations=lambda rank: stage_bytes.rank(pipeline, rank, micro, st.seq))
+                            rank_activations=lambda rank: stage_bytes.rank(pipeline, rank, micro, st.seq),
+                            lora=st.lora)
     if st.rl is not None:
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "

@@ -369,7 +369,8 @@ def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[Pi
         return lambda rows, seq: count.rank(pipeline, rank, rows, seq)
 
     head = pipelined_head(st)
-    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, head=head, dp=dp, tp=layout.tp),
+    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, head=head, dp=dp, tp=layout.tp,
+                                                      lora=st.lora),
                                      activations(rank),
                                      len(in_flight_stages(pipeline, rank))) for rank in range(pipeline.pp))
 

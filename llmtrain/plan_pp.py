@@ -143,12 +143,18 @@ def stage_head(facts: Any, scalar: bool) -> int:
     return facts.hidden if scalar else facts.head or facts.embed
 
 
-def rank_state_bytes(layout: PipelineLayout, facts: Any, rank: int, *, head: int, dp: int, tp: int = 1) -> float:
+def rank_state_bytes(layout: PipelineLayout, facts: Any, rank: int, *, head: int, dp: int, tp: int = 1,
+                     lora: int = 0) -> float:
     """Model states of pp rank `rank`: fp32 weights, gradients and Adam's two moments (16 bytes a parameter), the
-    blocks' TP-planned share split over tp (the head stays whole under pp), all of it FSDP2-sharded over dp."""
+    blocks' TP-planned share split over tp (the head stays whole under pp), all of it FSDP2-sharded over dp.
+    `lora`: the model's adapter parameters (peft=lora, all in the blocks, as many in each): the base is frozen (its
+    fp32 weights, 4 bytes a parameter) and this rank's blocks' adapters train (16 bytes)."""
     blocks = sum(len(layout.bounds[s]) for s in layout.stages_of(rank))
     split = blocks * facts.tp_params / facts.layers * (1 - 1 / tp)
-    return 16 * (rank_params(layout, facts, rank, head) - split) / dp
+    held = rank_params(layout, facts, rank, head) - split
+    if not lora:
+        return 16 * held / dp
+    return (4 * held + 16 * blocks * lora / facts.layers) / dp
 
 
 def rank_actions(layout: PipelineLayout, rank: int) -> list[tuple[str, int]]:
@@ -192,9 +198,10 @@ def rank_activation_bytes(layout: PipelineLayout, rank: int, chunk_bytes: Callab
 
 
 def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int, dp: int, tp: int, head: int,
-                   precision: str, rank_activations: Callable[[int], float]) -> list[str]:
+                   precision: str, rank_activations: Callable[[int], float], lora: int = 0) -> list[str]:
     """The planner's lines for backend.pp > 1 (empty otherwise); rank_activations(rank): that rank's activations at
-    its peak at the plan's micro-batch shape (plan.pipeline_activations: the figure the live cost compares with)."""
+    its peak at the plan's micro-batch shape (plan.pipeline_activations: the figure the live cost compares with);
+    lora: the adapter parameters under peft=lora (rank_state_bytes)."""
     layout = pipeline_layout(backend, facts, accum=accum, seq=seq)
     if layout is None:
         return []
@@ -208,9 +215,10 @@ def pipeline_lines(backend: Any, facts: Any, *, micro: int, accum: int, seq: int
         pieces = "; ".join(f"stage {s}: {describe_stage(s, stages, bounds[s])}" for s in layout.stages_of(rank))
         chunks = len(in_flight_stages(layout, rank))
         activations = rank_activations(rank)
-        states = rank_state_bytes(layout, facts, rank, head=head, dp=dp, tp=tp)
+        states = rank_state_bytes(layout, facts, rank, head=head, dp=dp, tp=tp, lora=lora)
+        held = "frozen fp32 base, adapters + Adam" if lora else "fp32 + Adam"
         lines.append(f"pp rank {rank}: {pieces}: {rank_params(layout, facts, rank, head) / 1e6:,.1f}M parameters, "
-                     f"model states {states / GIB:.3g} GiB (fp32 + Adam, {f'blocks /tp {tp}, ' if tp > 1 else ''}"
+                     f"model states {states / GIB:.3g} GiB ({held}, {f'blocks /tp {tp}, ' if tp > 1 else ''}"
                      f"/dp {dp}), "
                      f"activations {chunks} micro-batch chunk(s) in flight ≈ {activations / GIB:.3g} GiB, p2p "
                      f"{sends[rank] * boundary / 1e9:.3g} GB sent per step")

@@ -101,9 +101,6 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
         problems.append(f"trainer.grad_accum_steps={m} does not split into {rounds} equal rounds for "
                         f"{backend.pp_schedule} (torch's {schedule.torch_class}: rounds of ~backend.pp={pp} "
                         f"micro-batches); use a multiple of {pp}, or at most {2 * pp - 1}")
-    if cfg.peft.name != "none":
-        problems.append(f"peft={cfg.peft.name} with backend.pp={pp}: adapters over pipeline stages are not wired up "
-                        "yet; use peft=none or backend.pp=1")
     if cfg.precision == "fp16":
         problems.append(f"precision=fp16 with backend.pp={pp}: the loss scaler is not applied inside the pipeline's "
                         "backward; use precision=bf16 or fp32")

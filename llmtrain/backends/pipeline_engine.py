@@ -19,6 +19,7 @@ The gradient norm is the whole model's: squared norms summed over the pp ranks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -55,12 +56,14 @@ from llmtrain.backends.pipeline import (
     pad_micro_batch,
     rows_of,
 )
+from llmtrain.models.lora import is_peft, unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
 from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 
 log = logging.getLogger(__name__)
 
 
+PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: PeftModel.base_model (LoraModel) .model (transformers)
 TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # RankModel's names of a tied weight's two copies
 
 
@@ -157,6 +160,10 @@ class PipelineEngine(FSDP2Engine):
         self.mask_dtype = autocast_dtype(precision) or torch.float32  # run.batch_preparer's
         self.attn = model.config._attn_implementation
         self.inputs = StepInputs()
+        # peft=lora: the stages are cut from the transformers model inside the PeftModel, its LoRA layers in place
+        # (keys without peft's `base_model.model.` prefix); the export puts the whole PeftModel back together
+        self.peft_config = copy.deepcopy(model.peft_config["default"]) if is_peft(model) else None
+        model = unwrap_peft(model)
         on_meta = ranks_on_meta(model) if ctx.world_size > 1 else []
         rank0_weights = (model.state_dict(), dict(model.named_buffers())) if on_meta and ctx.is_main else None
         self.model_class = type(model)  # the export's empty whole model (a causal LM, or the reward model's)
@@ -320,12 +327,20 @@ class PipelineEngine(FSDP2Engine):
         dist.gather_object(mine, gathered, dst=0)
         if self.ctx.is_main:
             whole = {k: v for part in gathered for k, v in part.items()}
+            if self.peft_config is not None:  # the PeftModel's keys: its LoraModel, then the transformers model
+                whole = {PEFT_PREFIX + k: v for k, v in whole.items()}
             save_hf(self._whole_model(), whole, directory)
 
     def _whole_model(self) -> torch.nn.Module:
-        """An empty model of the whole architecture (meta): save_pretrained writes the gathered tensors with it."""
+        """An empty model of the whole architecture (meta), inside a PeftModel under peft=lora: save_hf writes the
+        gathered tensors with it (the adapters and the merged model through models/lora.save_adapter_and_merged)."""
         with torch.device("meta"):
-            return self.model_class._from_config(self.model.config)
+            model = self.model_class._from_config(self.model.config)
+            if self.peft_config is None:
+                return model
+            from peft import get_peft_model
+
+            return get_peft_model(model, copy.deepcopy(self.peft_config))
 
 
 class FSDP2PipelineBackend(FSDP2Backend):

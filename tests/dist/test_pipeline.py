@@ -14,6 +14,9 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
 - p2p: the bytes each rank hands to isend in steps 1 and 2 (metrics/comm.py counts them) are the planner's
   (plan_pp.pipeline_p2p: hidden states forward, gradients back) plus the micro-batch index (b int64) each forward send
   carries, for 1f1b, interleaved (4 stages on 2 ranks) and the reward model's packed pair rows.
+- LoRA (peft=lora, 1f1b): equal to one process with LoRA, bitwise on resume, its checkpoint the adapters only, its
+  `adapter/` and merged `hf/` exports one process's, its planned states per rank (frozen base, trained adapters) the
+  ledger's.
 - resume: a pp=2 checkpoint resumed at pp=2 is bitwise; resumed in one process (pp2 → 1) and a one-process checkpoint
   resumed at pp=2 (1 → pp2) continue within the parity tolerance (DCP keys are the whole model's).
 - the split is logged per stage, and the `hf/` export is the whole model (every key), loadable, equal to the
@@ -68,6 +71,8 @@ RUNS = {
                     f"plan.peak_tflops={PEAK_TFLOPS}"]),
     "one_tied": (1, ["backend=fsdp2", "model.from_config.tie_word_embeddings=true"]),
     "1f1b_tied": (2, [*PP, "backend.pp_schedule=1f1b", "model.from_config.tie_word_embeddings=true"]),
+    "one_lora": (1, ["backend=fsdp2", "peft=lora"]),
+    "1f1b_lora": (2, [*PP, "backend.pp_schedule=1f1b", "peft=lora"]),
 }
 
 
@@ -92,7 +97,7 @@ PAIR_RUNS = {
 # resumed runs: name -> (the run whose settings it takes, the run whose checkpoint it loads, the checkpoint's step)
 RESUMED = {"1f1b_resumed": ("1f1b", "1f1b", 3), "one_from_1f1b": ("one", "1f1b", 3),
            "1f1b_from_one": ("1f1b", "one", 3), "1f1b_tied_from_one_tied": ("1f1b_tied", "one_tied", 3),
-           "dpo_gpipe_resumed": ("dpo_gpipe", "dpo_gpipe", 2)}
+           "dpo_gpipe_resumed": ("dpo_gpipe", "dpo_gpipe", 2), "1f1b_lora_resumed": ("1f1b_lora", "1f1b_lora", 3)}
 
 
 def _head(root: Path, name: str, lines: int) -> Path:
@@ -152,7 +157,8 @@ def assert_parity(ours: list[dict], reference: list[dict], assert_close_series) 
 
 @pytest.mark.parametrize("name,reference", [("zbv", "one"), ("1f1b", "one"), ("interleaved", "one"),
                                             ("gpipe_packed", "one_packed"), ("dp2_pp2", "one"),
-                                            ("1f1b_tied", "one_tied"), ("pp2_tp2", "one")])
+                                            ("1f1b_tied", "one_tied"), ("pp2_tp2", "one"),
+                                            ("1f1b_lora", "one_lora")])
 def test_pp2_equals_one_process(runs, name, reference, assert_close_series):
     assert_parity(read_metrics(runs(name))[0], read_metrics(runs(reference))[0], assert_close_series)
 
@@ -180,8 +186,9 @@ def test_split_is_logged(runs):
         runs.log("zbv")
 
 
-def test_bitwise_resume_at_pp2(runs):
-    straight, resumed = runs("1f1b"), runs("1f1b_resumed")  # from straight's step 3 (RESUMED)
+@pytest.mark.parametrize("name", ["1f1b", "1f1b_lora"])
+def test_bitwise_resume_at_pp2(runs, name):
+    straight, resumed = runs(name), runs(f"{name}_resumed")  # from straight's step 3 (RESUMED)
     continued, reference = read_metrics(resumed)[0], read_metrics(straight)[0][3:]
     assert [r["step"] for r in continued] == [4, 5, 6]
     assert [(r["loss"], r["grad_norm"]) for r in continued] == [(r["loss"], r["grad_norm"]) for r in reference]
@@ -205,6 +212,30 @@ def test_hf_export_is_the_whole_model(runs):
     assert sorted(ours) == sorted(reference) and any(".layers.3." in key for key in ours)
     for key, value in reference.items():
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def test_lora_at_pp2_saves_adapters_only_and_exports_as_one_process(runs):
+    """peft=lora over 2 stages: the checkpoint holds the adapters (and their Adam state) only, the base is rebuilt
+    from its source on resume; the export is one process's: `adapter/` (peft format, each stage's adapters gathered
+    to rank 0) and the merged `hf/`, to 1e-5."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    run, reference = runs("1f1b_lora"), runs("one_lora")
+    saved = FileSystemReader(str(run / "checkpoints" / "step_3" / "engines" / "policy" / "dcp")).read_metadata()
+    saved = saved.state_dict_metadata
+    model_keys = [key for key in saved if key.startswith("model.")]
+    assert model_keys and all("lora_" in key for key in model_keys), model_keys[:4]
+    assert any(".layers.0." in key for key in model_keys) and any(".layers.3." in key for key in model_keys)
+    ours, theirs = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (run, reference))
+    assert sorted(ours) == sorted(theirs) and any("lora_B" in key and ours[key].abs().max() > 0 for key in ours)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-5, msg=key)
+    merged = AutoModelForCausalLM.from_pretrained(run / "hf").state_dict()
+    for key, value in AutoModelForCausalLM.from_pretrained(reference / "hf").state_dict().items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize("name,peers", [("1f1b", 2), ("pp2_tp2", 4)])
@@ -342,11 +373,12 @@ def test_zero_bubble_live_activations_stay_under_the_planned_bound(runs, name):
             assert record[f"memory_r{rank}_in_flight"] <= record[f"memory_r{rank}_plan_in_flight"] == chunks, rank
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved", "pp2_tp2", "rm_1f1b"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "pp2_tp2", "rm_1f1b", "1f1b_lora"])
 def test_plan_state_is_each_pp_ranks_own_and_the_planners_line(runs, name):
     """The first and last pp ranks' planned model states differ (the embedding vs the final norm and head: the LM
     head, or the reward model's score), equal what each rank's ledger holds after step 1 (fp32 Adam, dp 1: exactly 16
-    bytes a parameter; tp 2 splits the blocks' planned share) and the planner's per-pp-rank lines (`python -m
+    bytes a parameter; tp 2 splits the blocks' planned share; LoRA: 4 bytes a frozen base parameter, 16 an adapter's)
+    and the planner's per-pp-rank lines (`python -m
     llmtrain.plan`), as do the activations and chunks in flight at that shape."""
     from llmtrain.compose import compose_config
     from llmtrain.plan import plan_text

@@ -142,7 +142,6 @@ def test_a_valid_pipeline_config_passes():
     (["backend.pp_schedule=dualpipe"], 2, "backend.pp_schedule=dualpipe is not one of gpipe, 1f1b"),
     (["backend.tp=2"], 2, "world size 2 divisible by backend.pp=2 × backend.dp_replicate=1 × backend.tp=2 = 4"),
     (["backend.compile=true"], 2, "backend.compile=true is not tested yet"),
-    (["peft=lora"], 2, "peft=lora with backend.pp=2"),
     (["precision=fp16"], 2, "precision=fp16 with backend.pp=2"),
 ])
 def test_pipeline_refusals_name_the_field_and_the_fix(overrides, world, needle):

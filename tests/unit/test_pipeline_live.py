@@ -106,6 +106,9 @@ def test_each_pp_ranks_parameters_and_states():
     assert rank_state_bytes(layout, FACTS, 1, head=head, dp=2) == 16 * 1216 / 2
     tp_facts = SimpleNamespace(**{**vars(FACTS), "tp_params": 4 * 80})  # 80 of each block's 100 split by the TP plan
     assert rank_state_bytes(layout, tp_facts, 0, head=head, dp=1, tp=2) == 16 * (2 * (20 + 40) + 1000)
+    # peft=lora, 40 adapter parameters in the model's 4 blocks: the rank's 1216 base parameters frozen (4 bytes
+    # each, fp32), its 2 blocks' 20 adapter parameters trained (16 bytes each), over dp 2
+    assert rank_state_bytes(layout, FACTS, 1, head=head, dp=2, lora=40) == (4 * 1216 + 16 * 20) / 2
 
 
 def test_stage_activations_add_the_head_on_the_last_stage_only_and_sum_the_chunks_in_flight():
