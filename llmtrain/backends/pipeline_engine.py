@@ -63,7 +63,6 @@ from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
 log = logging.getLogger(__name__)
 
 
-PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: PeftModel.base_model (LoraModel) .model (transformers)
 TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # RankModel's names of a tied weight's two copies
 
 
@@ -326,10 +325,11 @@ class PipelineEngine(FSDP2Engine):
         gathered = [None] * dist.get_world_size() if self.ctx.is_main else None
         dist.gather_object(mine, gathered, dst=0)
         if self.ctx.is_main:
-            whole = {k: v for part in gathered for k, v in part.items()}
-            if self.peft_config is not None:  # the PeftModel's keys: its LoraModel, then the transformers model
-                whole = {PEFT_PREFIX + k: v for k, v in whole.items()}
-            save_hf(self._whole_model(), whole, directory)
+            model = self._whole_model()
+            # under peft=lora the stages' keys are the transformers model's, inside the PeftModel under a prefix
+            prefix = next(f"{name}." for name, module in model.named_modules() if module is unwrap_peft(model)) \
+                if is_peft(model) else ""
+            save_hf(model, {prefix + k: v for part in gathered for k, v in part.items()}, directory)
 
     def _whole_model(self) -> torch.nn.Module:
         """An empty model of the whole architecture (meta), inside a PeftModel under peft=lora: save_hf writes the

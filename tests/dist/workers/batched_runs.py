@@ -36,7 +36,7 @@ def output_to(path: Path):
 
 def main(spec_file: str) -> int:
     from llmtrain.compose import compose_config
-    from llmtrain.parallel import env_rank
+    from llmtrain.parallel import env_rank, env_world_size
     from llmtrain.run import run
 
     logging.basicConfig(level=logging.INFO if env_rank() == 0 else logging.WARNING,
@@ -56,7 +56,7 @@ def main(spec_file: str) -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"error_rank{env_rank()}.txt").write_text(traceback.format_exc())
                 print(f"{out.name}: failed\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        if failed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if failed and env_world_size() > 1:
             print(f"{out.name} failed on rank {env_rank()}: the launch stops here, its later runs do not start",
                   file=sys.stderr, flush=True)
             break
