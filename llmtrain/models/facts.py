@@ -47,6 +47,7 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
     from transformers import AutoModelForCausalLM
 
     from llmtrain.models.load import model_config, unsupported_attentions
+    from llmtrain.models.tp import tp_plan
 
     m = cfg.model
     vocab = local_vocab_size(m.tokenizer or m.name_or_path, m.trust_remote_code)
@@ -58,7 +59,7 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
     blocks = next(getattr(base, n) for n in ("layers", "h", "blocks") if hasattr(base, n))
     out = model.get_output_embeddings()
     embed = model.get_input_embeddings().weight
-    plan = getattr(arch, "base_model_tp_plan", None) or {}
+    plan = tp_plan(arch) or {}
     tp_params = sum(p.numel() for name, p in base.named_parameters()
                     if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], pattern) for pattern in plan))
     return ModelFacts(label=m.name_or_path or arch.model_type, params=sum(numels), numels=numels,

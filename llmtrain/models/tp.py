@@ -30,10 +30,11 @@ tests/dist/test_families.py):
   activation run on whole tensors (every tp rank computes them: the weights are split, the attention FLOPs are
   not), then a row-sharded projection that splits its replicated input locally.
 - "moe_tp_experts" (Mixtral's, Qwen3-MoE's experts module; its "packed_colwise"/"rowwise" parameter entries
-  are subsumed): the experts are split over the tp ranks along the expert dim (E/tp whole experts each, as
-  transformers' expert parallelism over a shared batch does); each rank runs its experts on the tokens routed to
-  them and the partial outputs are summed (one all-reduce forward; one on the input's and the routing weights'
-  gradients backward).
+  are subsumed; from transformers 5.25 on the tp plans leave the experts out and `base_model_ep_plan` names them
+  "ep_dispatch_experts", which tp_plan maps to this style): the experts are split over the tp ranks along the
+  expert dim (E/tp whole experts each, as transformers' expert parallelism with `ep_implementation="all_reduce"`
+  over a shared batch does); each rank runs its experts on the tokens routed to them and the partial outputs are
+  summed (one all-reduce forward; one on the input's and the routing weights' gradients backward).
 
 Families transformers ships no plan for (GPT-2: fused c_attn, Conv1D) are refused before the model
 loads; add a plan to EXTRA_TP_PLANS (keyed by model_type) only together with a parity test.
@@ -55,12 +56,23 @@ EXTRA_TP_PLANS: dict[str, dict[str, str]] = {}  # model_type -> {module path pat
 SUPPORTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output",
                     "rowwise_split_input", "moe_tp_experts")
 EXPERTS_STYLE = "moe_tp_experts"
+EP_EXPERTS_STYLE = "ep_dispatch_experts"
 WORKING_BACKENDS = "backend=fsdp2 (backend.tp=1), backend=ddp or backend=deepspeed"
 
 
 def tp_plan(arch: Any) -> dict[str, str] | None:
-    """The plan for this architecture config (None: it has none)."""
-    return EXTRA_TP_PLANS.get(arch.model_type) or getattr(arch, "base_model_tp_plan", None) or None
+    """The plan for this architecture config (None: it has none), with its experts modules in the experts style."""
+    plan = EXTRA_TP_PLANS.get(arch.model_type) or getattr(arch, "base_model_tp_plan", None) or None
+    if plan is None or EXPERTS_STYLE in plan.values():
+        return plan
+    return {**plan, **experts_from_ep_plan(arch)}
+
+
+def experts_from_ep_plan(arch: Any) -> dict[str, str]:
+    """transformers >= 5.25 names MoE experts modules in `base_model_ep_plan` ("ep_dispatch_experts") instead of the
+    tp plan; those modules are the ones the experts style splits over tp (as `ep_implementation="all_reduce"`)."""
+    ep_plan = getattr(arch, "base_model_ep_plan", None) or {}
+    return {path: EXPERTS_STYLE for path, style in ep_plan.items() if style == EP_EXPERTS_STYLE}
 
 
 def tp_plan_problems(arch: Any, tp: int) -> list[str]:

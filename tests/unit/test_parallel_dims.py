@@ -121,3 +121,38 @@ def test_fsdp2_model_check_on_the_families_tp_styles():
     odd.base_model_tp_plan = {**odd.base_model_tp_plan, "layers.*.self_attn.o_proj": "rowwise_rep"}
     [unknown] = check(backend(tp=2), 2, odd)
     assert "style(s) rowwise_rep, which llmtrain does not map" in unknown
+
+
+@pytest.mark.parametrize("tp_entries,ep_entries", [
+    ({"layers.*.mlp.experts": "moe_tp_experts", "layers.*.mlp.experts.down_proj": "rowwise"}, {}),  # transformers 5.24
+    ({}, {"layers.*.mlp.experts": "ep_dispatch_experts", "layers.*.mlp.experts.down_proj": "grouped_gemm"}),  # 5.25
+])
+def test_experts_split_over_tp_whichever_plan_names_them(tp_entries, ep_entries):
+    """The experts module is split over tp whether transformers names it in the tp plan (up to 5.24) or in the ep plan
+    (5.25 on)."""
+    from llmtrain.models.tp import module_plan, tp_plan
+
+    attention = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    config = SimpleNamespace(model_type="mixtral", base_model_tp_plan={**attention, **tp_entries},
+                             base_model_ep_plan=ep_entries)
+    assert module_plan(tp_plan(config)) == {**attention, "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def test_the_planner_counts_the_experts_among_the_tp_split_parameters():
+    """Mixtral from its config: the tp-split parameters are attention's four projections and the stacked experts of
+    every layer (counted from the meta model by name); the router and the norms stay replicated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.models.facts import model_facts
+
+    cfg = compose_config(["recipe=sft_tiny", "model.name_or_path=null",
+                          "model.from_config={model_type:mixtral,num_local_experts:4,"
+                          "hidden_size:32,intermediate_size:64,num_hidden_layers:2,num_attention_heads:4,"
+                          "num_key_value_heads:2}"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg.model.from_config))
+    split = ("q_proj.", "k_proj.", "v_proj.", "o_proj.", "experts.")
+    expected = sum(p.numel() for name, p in model.named_parameters() if any(part in name for part in split))
+    assert expected > 2 * 4 * 3 * 64 * 32  # the experts are in it
+    assert model_facts(cfg).tp_params == expected
