@@ -70,6 +70,7 @@ from llmtrain.backends.base import (
     save_frozen,
     save_hf,
 )
+from llmtrain.models.backbone import backbone
 from llmtrain.models.fused_head import fused_head_of
 from llmtrain.models.lora import unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
@@ -109,7 +110,7 @@ def apply_fsdp(model: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh, *
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder layers (`base_model.layers` for Llama/Qwen2/Mistral, `.h` for GPT-2)."""
-    base = unwrap_peft(model).base_model  # a PeftModel's own base_model is peft's LoraModel
+    base = backbone(unwrap_peft(model))  # a PeftModel's own base_model is peft's LoraModel
     for name in ("layers", "h", "blocks"):
         if isinstance(getattr(base, name, None), torch.nn.ModuleList):
             return list(getattr(base, name))

@@ -46,6 +46,7 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from llmtrain.models.backbone import backbone
     from llmtrain.models.load import model_config, unsupported_attentions
     from llmtrain.models.tp import tp_plan
 
@@ -55,7 +56,7 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(arch)
     numels = tuple(p.numel() for p in model.parameters())
-    base = model.base_model
+    base = backbone(model)
     blocks = next(getattr(base, n) for n in ("layers", "h", "blocks") if hasattr(base, n))
     out = model.get_output_embeddings()
     embed = model.get_input_embeddings().weight

@@ -36,9 +36,10 @@ def seeded_init(model: torch.nn.Module, seed: int, modules: Iterable[str] | None
                 gather: Gather = lambda params: contextlib.nullcontext()) -> list[str]:
     """Re-initialise the own parameters of every module (or of the named `modules`) from (seed, name).
 
-    Values are drawn on the CPU in fp32 with the model's `_init_weights` applied to fresh tensors, then
-    copied into the parameters (whatever their device, dtype or sharding). Modules on the meta device
-    (FSDP2's ranks other than 0) are skipped: they receive rank 0's values. Returns the names initialised.
+    Values are drawn on the CPU in fp32 with the model's `_init_weights` applied to fresh tensors (holding the
+    constructor's values, which stay where it draws nothing), then copied into the parameters (whatever their
+    device, dtype or sharding). Modules on the meta device (FSDP2's ranks other than 0) are skipped: they receive
+    rank 0's values. Returns the names initialised.
     """
     wanted = None if modules is None else set(modules)
     done = []
@@ -59,8 +60,7 @@ def seeded_init(model: torch.nn.Module, seed: int, modules: Iterable[str] | None
 
 def _drawn(model: torch.nn.Module, module: torch.nn.Module, own: dict, seed: int) -> dict[str, torch.Tensor]:
     """The module's init drawn into fresh CPU fp32 tensors (swapped in for the call, then swapped back)."""
-    fresh = {key: torch.nn.Parameter(torch.empty(_full_shape(p), dtype=torch.float32), requires_grad=False)
-             for key, p in own.items()}
+    fresh = {key: torch.nn.Parameter(_constructed(p), requires_grad=False) for key, p in own.items()}
     original = {key: module._parameters[key] for key in own}
     module._parameters.update(fresh)
     try:
@@ -70,6 +70,15 @@ def _drawn(model: torch.nn.Module, module: torch.nn.Module, own: dict, seed: int
     finally:
         module._parameters.update(original)
     return {key: value.detach() for key, value in fresh.items()}
+
+
+def _constructed(param: torch.nn.Parameter) -> torch.Tensor:
+    """A CPU fp32 copy of the parameter's value from the module's constructor, where `_init_weights` draws nothing
+    (Apertus's xIELU alpha_p / alpha_n: a torch.empty there would leave memory garbage, or zeros that stop every
+    gradient); a shard outside a gather has no whole value to copy."""
+    if param.shape != _full_shape(param):
+        return torch.empty(_full_shape(param), dtype=torch.float32)
+    return param.detach().to("cpu", torch.float32, copy=True)
 
 
 def init_weights_of(model: torch.nn.Module) -> Callable[[torch.nn.Module], None]:

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from llmtrain.models.backbone import backbone
+
 log = logging.getLogger(__name__)
 
 EXTRA_TP_PLANS: dict[str, dict[str, str]] = {}  # model_type -> {module path pattern: style}
@@ -92,10 +94,31 @@ def tp_plan_problems(arch: Any, tp: int) -> list[str]:
     from llmtrain.models.moe import expert_count
 
     experts = expert_count(arch)
-    if EXPERTS_STYLE in plan.values() and experts and experts % tp:
+    if EXPERTS_STYLE not in plan.values():
+        return []
+    if experts and experts % tp:
         return [f"backend.tp={tp} must divide the model's {experts} experts ({arch.model_type}: each tp rank holds "
                 f"experts/tp whole experts); pick a tp that divides {experts}, or {WORKING_BACKENDS}"]
-    return []
+    return [f"backend.tp={tp}: {arch.model_type}'s experts module {name} is not called the way transformers' routed "
+            f"experts are (hidden_states, top_k_index, top_k_weights), so llmtrain cannot split its experts over tp; "
+            f"use {WORKING_BACKENDS}" for name in sorted(unroutable_experts(arch, plan))]
+
+
+def unroutable_experts(arch: Any, plan: dict[str, str]) -> set[str]:
+    """The classes of the experts modules the plan splits that ExpertsOverTP cannot wrap, from the model built on
+    the meta device (no storage; a config transformers cannot build is left to the load's own error)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.models.tp_styles import routed_experts
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(arch)
+    except Exception:  # noqa: BLE001 - e.g. remote code: the load reports it, and ExpertsOverTP refuses at apply
+        return set()
+    paths = [path for path, style in plan.items() if style == EXPERTS_STYLE]
+    return {type(module).__name__ for name, module in backbone(model).named_modules()
+            if any(fnmatch(name, path) for path in paths) and not routed_experts(module)}
 
 
 def module_plan(plan: dict[str, str]) -> dict[str, str]:
@@ -141,15 +164,15 @@ def _replicate_input(tp_mesh, module, args, kwargs):
 
 
 def apply_tp_plan(model: torch.nn.Module, tp_mesh, arch: Any) -> None:
-    """Shard the base model's layers over `tp_mesh` in place (paths are relative to base_model)."""
+    """Shard the base model's layers over `tp_mesh` in place (paths are relative to its backbone)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = tp_plan(arch)
-    applied = Counter(style for name, _ in model.base_model.named_modules()
+    plan, base = tp_plan(arch), backbone(model)
+    applied = Counter(style for name, _ in base.named_modules()
                       for pattern, style in module_plan(plan).items() if fnmatch(name, pattern))
-    parallelize_module(model.base_model, tp_mesh, parallel_styles(plan, tp_mesh))
+    parallelize_module(base, tp_mesh, parallel_styles(plan, tp_mesh))
     parents = colwise_parents(plan)
-    for name, module in model.base_model.named_modules():
+    for name, module in base.named_modules():
         # an MoE layer's `mlp` (router + experts) holds no gate_proj: its experts style replicates its own input
         if any(fnmatch(name, pattern) and hasattr(module, child) for pattern, child in parents.items()):
             module.register_forward_pre_hook(partial(_replicate_input, tp_mesh), with_kwargs=True)

@@ -9,6 +9,7 @@ gate_up_proj (E, 2I, h) and down_proj (E, h, I)), split over the tp ranks as who
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -42,6 +43,9 @@ class ExpertsOverTP(ParallelStyle):
     local count and a local id equal to it marks a token for another rank's expert) and the outputs are summed."""
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        if not routed_experts(module):
+            raise ValueError(f"{type(module).__name__} is not called as transformers' routed experts "
+                             "(hidden_states, top_k_index, top_k_weights): its experts cannot be split over tp")
         experts, tp = module.num_experts, device_mesh.size()
         for name, param in list(module.named_parameters(recurse=False)):
             assert param.shape[0] == experts, f"{type(module).__name__}.{name}: {tuple(param.shape)} not per expert"
@@ -52,6 +56,12 @@ class ExpertsOverTP(ParallelStyle):
         module.forward = partial(_local_experts_forward, module, module.forward, device_mesh.get_group(),
                                  first=device_mesh.get_local_rank() * local)
         return module
+
+
+def routed_experts(module: torch.nn.Module) -> bool:
+    """Whether this experts module has transformers' routed-experts call, which ExpertsOverTP wraps (Llama-4's
+    takes tokens pre-sorted per expert instead)."""
+    return len(inspect.signature(module.forward).parameters) == 3
 
 
 def _local_experts_forward(module, forward, group, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

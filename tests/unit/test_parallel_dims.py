@@ -138,6 +138,16 @@ def test_experts_split_over_tp_whichever_plan_names_them(tp_entries, ep_entries)
     assert module_plan(tp_plan(config)) == {**attention, "layers.*.mlp.experts": "moe_tp_experts"}
 
 
+def test_experts_that_are_not_routed_experts_are_refused_under_tp():
+    """Llama-4's experts take tokens pre-sorted per expert, not transformers' routed call that the experts style wraps:
+    tp > 1 is refused before any weight loads, naming the module and what works."""
+    check = BACKENDS["fsdp2"].model_problems
+    llama4 = arch("llama4_text", intermediate_size_mlp=128, num_hidden_layers=2, num_local_experts=4)
+    [refused] = check(backend(tp=2), 2, llama4)
+    assert "Llama4TextExperts is not called the way transformers' routed experts are" in refused
+    assert "backend=ddp" in refused and check(backend(tp=1), 2, llama4) == []
+
+
 def test_the_planner_counts_the_experts_among_the_tp_split_parameters():
     """Mixtral from its config: the tp-split parameters are attention's four projections and the stacked experts of
     every layer (counted from the meta model by name); the router and the norms stay replicated."""

@@ -139,6 +139,22 @@ def test_seeded_init_is_a_function_of_seed_and_names_only():
     assert module_seed(7, "score") != module_seed(8, "score") and module_seed(7, "a") != module_seed(7, "b")
 
 
+def test_seeded_init_keeps_the_constructors_values_where_the_family_draws_nothing():
+    """Apertus's xIELU activation holds parameters (alpha_p, alpha_n) its `_init_weights` leaves to the constructor:
+    they keep those values (left as torch.empty they were zeros here, and every gradient of the model was 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("apertus", vocab_size=263, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    constructed, model = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    seeded_init(model, 7)
+    xielu = [name for name, _ in model.named_parameters() if name.endswith(("alpha_p", "alpha_n"))]
+    assert xielu and all(torch.equal(model.get_parameter(n), constructed.get_parameter(n)) for n in xielu)
+    ids = torch.arange(2, 18)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+
+
 def test_roles_must_share_the_data_parallel_layout():
     check_same_data_parallel({"policy": (2, 0), "reference": (2, 0)})
     with pytest.raises(ConfigError, match="policy: dp size 2.*reference: dp size 4"):
