@@ -14,9 +14,12 @@ Two strategies (chunked_head.py: `ChunkedTokenLogps`, `ChunkedTokenLoss`), both 
   it in backward: no extra matmul, at the cost of holding the head's weight gradient from forward to backward.
 
 A family's transform of the head's output runs inside the chunk: final-logit softcapping (Gemma 2/3) is switched off
-in the config for the forward, so the model does not apply it to the query's result. The first query per head checks
-that the model returned the head's output unchanged; a family transforming it another way stops with an error that
-names model.fused_loss=off, never a wrong loss.
+in the config for the forward, so the model does not apply it to the query's result. A scale of the logits (Cohere's
+× logit_scale, Granite's / logits_scaling) goes onto the hidden states (and bias) before the head, and the model's
+field is set to 1 for the forward; on the first query it is set to multiply by 2 instead, which proves the model reads
+it (the answer is halved back, exactly). The first query per head checks that the model returned the head's output
+unchanged (or doubled so); a family transforming it another way stops with an error that names
+model.fused_loss=off, never a wrong loss.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ from llmtrain.models.chunked_head import ChunkedTokenLogps, ChunkedTokenLoss, Ch
 from llmtrain.models.vocab_parallel import VocabShard, gathered_logits, local_head
 
 SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: logits = c · tanh(logits / c)
+# field -> the power of its value that multiplies the logits after the head: Cohere's logits × logit_scale (read from
+# the causal LM's own copy), Granite's logits / logits_scaling (read from the config)
+SCALE_FIELDS = {"logit_scale": 1, "logits_scaling": -1}
+PROBE = 2.0  # what the scale fields make the model multiply by on a head's first query (exact in every float format)
 
 
 def default_chunk_tokens(vocab: int, hidden: int) -> int:
@@ -83,6 +90,7 @@ class FusedHeadMixin:
     query: HeadQuery | None = None
     chunk_tokens: int = 0  # 0: default_chunk_tokens(V, h)
     softcap: float | None = None
+    logit_multiplier: float = 1.0  # the family's scale of the logits, applied here (SCALE_FIELDS)
     kernel: str = "chunked"  # the summed loss's: "liger" where liger_computes(query), else chunked (models/liger.py)
     verified: bool = False  # the model returned this head's output unchanged once
 
@@ -97,6 +105,8 @@ class FusedHeadMixin:
         settings = ChunkSettings(self.chunk_tokens or default_chunk_tokens(self.out_features, self.in_features),
                                  query.temperature, self.softcap, query.entropy, query.accuracy, shard)
         flat, targets = hidden.flatten(0, 1), query.targets.flatten()
+        if self.logit_multiplier != 1.0:  # s·(h Wᵀ + b) = (s·h) Wᵀ + s·b
+            flat, bias = flat * self.logit_multiplier, None if bias is None else bias * self.logit_multiplier
         if self.kernel == "liger" and liger_computes(query, shard):
             out = liger.liger_loss_rows(flat, weight, bias, targets, self.softcap, compute_dtype(flat, weight))
         elif query.token_loss is not None:
@@ -132,7 +142,26 @@ def install(model: torch.nn.Module, chunk_tokens: int = 0, kernel: str = "chunke
     head.chunk_tokens, head.kernel = chunk_tokens, kernel
     head.softcap = getattr(model.config, SOFTCAP_FIELD, None)
     head.family_config = model.config  # the model reads its softcap from here at forward time
+    head.scale_fields = scale_fields(model)  # a list, so the model is not registered as the head's submodule
+    head.logit_multiplier = logit_multiplier(head.scale_fields)
     return True
+
+
+def scale_fields(model: torch.nn.Module) -> list[tuple[object, str, float]]:
+    """(holder, field, value) of each SCALE_FIELDS number on the causal LM or its config."""
+    return [(holder, field, float(getattr(holder, field))) for field in SCALE_FIELDS for holder in (model, model.config)
+            if type(getattr(holder, field, None)) in (int, float)]
+
+
+def logit_multiplier(fields: list[tuple[object, str, float]]) -> float:
+    """What the family multiplies its logits by; the model's and its config's copies of a field must agree."""
+    values: dict[str, set[float]] = {}
+    for _, field, value in fields:
+        values.setdefault(field, set()).add(value)
+    if any(len(copies) > 1 for copies in values.values()):
+        raise ValueError(f"model.fused_loss: the model and its config disagree on {sorted(values)} "
+                         f"({values}); set them equal, or set model.fused_loss=off")
+    return math.prod(value ** SCALE_FIELDS[field] for field, (value,) in values.items())
 
 
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -153,13 +182,16 @@ class Asking:
         keep = query.targets.shape[1] if query.positions is None else query.positions
         self.kwargs = {"logits_to_keep": keep}
         self.returned: list[torch.Tensor] = []  # what the head returned, recorded until the head is verified
+        # the model multiplies the head's output by PROBE on a scaled head's first query (`asking`)
+        self.factor = PROBE if self.head is not None and self.head.logit_multiplier != 1.0 and not self.head.verified \
+            else 1.0
 
     def read(self, logits: torch.Tensor) -> HeadAnswer:
         """logits: the model's output `.logits`: (B, K, V) unfused, or what the fused head returned."""
         if self.head is None:
             return unfused_answer(logits, self.query)
         self.check_returned(logits)
-        logps, entropy, third = logits.unbind(-1)  # each (B, K)
+        logps, entropy, third = (logits / self.factor if self.factor != 1.0 else logits).unbind(-1)  # each (B, K)
         if self.query.token_loss is not None:  # third: the loss at [0, 0], the only entry with a gradient
             return HeadAnswer(logps=logps.detach(), entropy=entropy.detach() if self.query.entropy else None,
                               loss_sum=third[0, 0])
@@ -170,10 +202,11 @@ class Asking:
         """The first fused forward of a head: the model must hand back what the head returned."""
         if self.head.verified:
             return
-        if not self.returned or self.returned[-1].shape != logits.shape or not torch.equal(self.returned[-1], logits):
+        if not self.returned or self.returned[-1].shape != logits.shape or \
+                not torch.equal(self.returned[-1] * self.factor, logits):
             raise RuntimeError("model.fused_loss: this model transforms its LM head's output in a way the fused "
-                               "head-and-loss path does not know (it applies final_logit_softcapping only); set "
-                               "model.fused_loss=off")
+                               f"head-and-loss path does not know (it knows {SOFTCAP_FIELD} and the scales "
+                               f"{', '.join(SCALE_FIELDS)}); set model.fused_loss=off")
         self.head.verified = True
 
 
@@ -206,16 +239,21 @@ def asking(module: torch.nn.Module, query: HeadQuery):
         yield ask
         return
     config, softcap = head.family_config, head.softcap
+    scales = head.scale_fields if head.logit_multiplier != 1.0 else []
     hook = None if head.verified else head.register_forward_hook(lambda m, args, out: ask.returned.append(out))
     head.query = query
     if softcap is not None:
         setattr(config, SOFTCAP_FIELD, None)
+    for holder, field, _ in scales:
+        setattr(holder, field, ask.factor ** SCALE_FIELDS[field])
     try:
         yield ask
     finally:
         head.query = None
         if softcap is not None:
             setattr(config, SOFTCAP_FIELD, softcap)
+        for holder, field, value in scales:
+            setattr(holder, field, value)
         if hook is not None:
             hook.remove()
 

@@ -21,6 +21,7 @@ from llmtrain.models.fused_head import (
     HeadQuery,
     asking,
     default_chunk_tokens,
+    install,
     negative_log_likelihood,
     shifted_targets,
 )
@@ -37,6 +38,9 @@ from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+# families that scale the logits after the head (the fused head applies the scale itself): × 1/4 and / 4
+SCALED = {"cohere": {**TINY, "model_type": "cohere", "logit_scale": 0.25},
+          "granite": {**TINY, "model_type": "granite", "logits_scaling": 4.0}}
 CHUNK = 7  # tokens per chunk: not a divisor of any batch here, so the last chunk is short
 REL = 1e-6
 
@@ -157,6 +161,10 @@ STAGES = {
                                      label_smoothing=0.0), pair_batches),
     "simpo": (lambda tok: SimPOStage(ModelSource(None, TINY), tok.pad_token_id, beta=2.0, gamma=0.5), pair_batches),
     "orpo": (lambda tok: ORPOStage(ModelSource(None, TINY), tok.pad_token_id, beta=0.1), pair_batches),
+    "sft_cohere": (lambda tok: CausalLMStage("sft", ModelSource(None, SCALED["cohere"]), tok.pad_token_id),
+                   sft_batches),
+    "dpo_granite": (lambda tok: DPOStage(ModelSource(None, SCALED["granite"]), tok.pad_token_id, beta=0.5,
+                                         loss="sigmoid", label_smoothing=0.1), pair_batches),
 }
 
 
@@ -174,9 +182,9 @@ def step_and_eval(name, tokenizer, fused: bool, packed: bool):
 
 
 def metric_scale(record: dict, key: str) -> float:
-    """What a metric's difference is judged against: itself, but β·(π − ref) rewards and ORPO's log odds ratio,
-    differences of near-equal log-prob terms, against those terms."""
-    if (key.startswith("reward_") or key == "log_odds_chosen") and "logp_chosen" in record:
+    """What a metric's difference is judged against: itself, but β·(π − ref) rewards (the eval's margin: against the
+    last step's terms) and ORPO's log odds ratio, differences of near-equal log-prob terms, against those terms."""
+    if (key.startswith(("reward_", "eval_reward_margin")) or key == "log_odds_chosen") and "logp_chosen" in record:
         return max(abs(record["logp_chosen"]), abs(record["logp_rejected"]), abs(record[key]))
     return max(abs(record[key]), 1e-12)
 
@@ -193,7 +201,7 @@ def test_every_stage_steps_and_evaluates_as_with_full_logits(tokenizer, name, pa
             assert_rel(ours[key], theirs[key], scale=metric_scale(theirs, key))
     assert fused[1].keys() == full[1].keys()
     for key in fused[1]:
-        assert_rel(fused[1][key], full[1][key])
+        assert_rel(fused[1][key], full[1][key], scale=metric_scale({**full[0][-1], **full[1]}, key))
     for name_ in fused[2]:
         assert_rel(fused[2][name_], full[2][name_])
 
@@ -214,12 +222,13 @@ def rollout(vocab: int):
     return sequences, attention_mask
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "cohere", "granite"])
 def test_action_logps_and_entropy_equal_the_full_logits_with_their_gradients(tokenizer, family):
     """PPO/GRPO's per-token log-probs and entropy at a temperature, and the gradient of a loss that weighs every
-    token differently; Gemma 2: final-logit softcapping and tied embeddings go through the fused head too."""
-    config = TINY if family == "llama" else {**TINY, "model_type": "gemma2", "head_dim": 16,
-                                              "final_logit_softcapping": 3.0, "sliding_window": 8}
+    token differently; Gemma 2: final-logit softcapping and tied embeddings go through the fused head too; Cohere and
+    Granite: their scale of the logits (× logit_scale, / logits_scaling), put back after each fused forward."""
+    gemma2 = {**TINY, "model_type": "gemma2", "head_dim": 16, "final_logit_softcapping": 3.0, "sliding_window": 8}
+    config = {"llama": TINY, "gemma2": gemma2, **SCALED}[family]
     sequences, attention_mask = rollout(len(tokenizer))
     inputs = {"input_ids": sequences, "attention_mask": attention_mask}
     weights = torch.randn(3, 5, generator=torch.Generator().manual_seed(4))
@@ -233,16 +242,29 @@ def test_action_logps_and_entropy_equal_the_full_logits_with_their_gradients(tok
     if family == "gemma2":
         assert model.config.final_logit_softcapping == 3.0  # put back after each fused forward
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if family == "cohere":
+        assert model.logit_scale == model.config.logit_scale == 0.25
+    if family == "granite":
+        assert model.config.logits_scaling == 4.0
     assert_rel(answers[0].logps, answers[1].logps)
     assert_rel(answers[0].entropy, answers[1].entropy)
     for name in grads[1]:
         assert_rel(grads[0][name], grads[1][name], rel=1e-5)
 
 
-def test_a_family_that_transforms_its_logits_otherwise_is_refused(tokenizer):
-    """Cohere multiplies its logits by logit_scale after the head: the fused path cannot know it, so the first
-    fused forward stops with the setting that avoids it rather than training on a wrong loss."""
-    model = tiny(tokenizer, True, {**TINY, "model_type": "cohere", "logit_scale": 0.5})
+@pytest.mark.parametrize("case", ["unknown transform", "scale field it never reads"])
+def test_a_family_that_transforms_its_logits_otherwise_is_refused(tokenizer, case):
+    """A model that changes the head's output in a way the fused path does not know (here a hook adding 1 to the
+    logits), or whose config holds a scale field its forward never applies (Llama given logit_scale: the first query's
+    probe finds the output not doubled): the first fused forward stops with the setting that avoids it rather than
+    training on a wrong loss."""
+    if case == "unknown transform":
+        model = tiny(tokenizer, True)
+        model.register_forward_hook(lambda module, args, out: out.__setitem__("logits", out.logits + 1) or out)
+    else:
+        model = tiny(tokenizer, False)
+        model.config.logit_scale = 0.5
+        assert install(model, CHUNK) and model.get_output_embeddings().logit_multiplier == 0.5
     sequences, attention_mask = rollout(len(tokenizer))
     with pytest.raises(RuntimeError, match="model.fused_loss=off"):
         action_answer(model, {"input_ids": sequences, "attention_mask": attention_mask}, sequences, 5, 1.0)
