@@ -202,8 +202,10 @@ class Asking:
         """The first fused forward of a head: the model must hand back what the head returned."""
         if self.head.verified:
             return
-        if not self.returned or self.returned[-1].shape != logits.shape or \
-                not torch.equal(self.returned[-1] * self.factor, logits):
+        returned = self.returned[-1] if self.returned else None
+        if returned is not None and self.factor != 1.0:
+            returned = returned * self.factor
+        if returned is None or returned.shape != logits.shape or not torch.equal(returned, logits):
             raise RuntimeError("model.fused_loss: this model transforms its LM head's output in a way the fused "
                                f"head-and-loss path does not know (it knows {SOFTCAP_FIELD} and the scales "
                                f"{', '.join(SCALE_FIELDS)}); set model.fused_loss=off")
