@@ -12,6 +12,7 @@ micro-batches and ranks (stages/base.py).
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,19 @@ def router_of(module: torch.nn.Module) -> Router | None:
     experts = expert_count(config)
     if coef is None or experts is None or not getattr(config, "num_experts_per_tok", None):
         return None
+    if not balances_experts(next((m for m in module.modules() if isinstance(m, PreTrainedModel)), module)):
+        return None
     return Router(int(experts), int(config.num_experts_per_tok), float(coef))
+
+
+def balances_experts(model: torch.nn.Module) -> bool:
+    """Whether transformers trains this family with the load-balancing loss: its modeling module has
+    `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, Granite-MoE, ...). Llama-4's configs carry a
+    router_aux_loss_coef its sigmoid top-1 router never uses, so llmtrain adds none there either. Remote code: kept."""
+    for cls in type(model).__mro__:  # FSDP2 and peft subclass or wrap the transformers class
+        if cls.__module__.startswith("transformers.models."):
+            return hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
+    return True
 
 
 def router_losses(router: Router, router_logits: tuple, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

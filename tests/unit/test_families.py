@@ -114,6 +114,18 @@ def moe():
     return tokenizer, AutoModelForCausalLM.from_config(cfg, attn_implementation=SEGMENT_ATTENTION)
 
 
+def test_no_router_loss_where_transformers_trains_none():
+    """Llama-4's config carries router_aux_loss_coef, but transformers never adds a load-balancing loss for its sigmoid
+    top-1 router: llmtrain treats it as transformers does (no term), and keeps Mixtral's under peft too."""
+    from peft import LoraConfig, get_peft_model
+
+    llama4 = config("llama4_text", num_local_experts=4, intermediate_size_mlp=64, vocab_size=263)
+    assert llama4.router_aux_loss_coef and router_of(AutoModelForCausalLM.from_config(llama4)) is None
+    mixtral = AutoModelForCausalLM.from_config(config("mixtral", num_local_experts=4, vocab_size=263))
+    adapted = get_peft_model(mixtral, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert router_of(adapted) == router_of(mixtral) and router_of(mixtral).num_experts == 4
+
+
 def test_router_loss_is_transformers_with_padding_and_packed_tails_left_out(moe):
     tokenizer, model = moe
     assert router_of(model).num_experts == 4 and router_of(model).top_k == 2 and router_of(model).coef == 0.001
