@@ -44,18 +44,30 @@ def router_of(module: torch.nn.Module) -> Router | None:
     experts = expert_count(config)
     if coef is None or experts is None or not getattr(config, "num_experts_per_tok", None):
         return None
-    if not balances_experts(next((m for m in module.modules() if isinstance(m, PreTrainedModel)), module)):
+    if not balances_experts(family_class(module, config)):
         return None
     return Router(int(experts), int(config.num_experts_per_tok), float(coef))
 
 
-def balances_experts(model: torch.nn.Module) -> bool:
+def family_class(module, config) -> type | None:
+    """The transformers class of a (wrapped) model, or the causal LM class of a bare config's family."""
+    if isinstance(module, torch.nn.Module):
+        return type(next((m for m in module.modules() if isinstance(m, PreTrainedModel)), module))
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return None
+
+
+def balances_experts(cls: type | None) -> bool:
     """Whether transformers trains this family with the load-balancing loss: its modeling module has
     `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, Granite-MoE, ...). Llama-4's configs carry a
     router_aux_loss_coef its sigmoid top-1 router never uses, so llmtrain adds none there either. Remote code: kept."""
-    for cls in type(model).__mro__:  # FSDP2 and peft subclass or wrap the transformers class
-        if cls.__module__.startswith("transformers.models."):
-            return hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
+    for base in cls.__mro__ if cls is not None else ():  # FSDP2 and peft subclass or wrap the transformers class
+        if base.__module__.startswith("transformers.models."):
+            return hasattr(sys.modules[base.__module__], "load_balancing_loss_func")
     return True
 
 

@@ -124,6 +124,8 @@ def test_no_router_loss_where_transformers_trains_none():
     mixtral = AutoModelForCausalLM.from_config(config("mixtral", num_local_experts=4, vocab_size=263))
     adapted = get_peft_model(mixtral, LoraConfig(r=2, target_modules=["q_proj"]))
     assert router_of(adapted) == router_of(mixtral) and router_of(mixtral).num_experts == 4
+    assert router_of(SimpleNamespace(config=llama4)) is None  # a bare config (the pre-load checks)
+    assert router_of(SimpleNamespace(config=mixtral.config)) == router_of(mixtral)
 
 
 def test_router_loss_is_transformers_with_padding_and_packed_tails_left_out(moe):
