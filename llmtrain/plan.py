@@ -1,6 +1,7 @@
 """`python -m llmtrain.plan recipe=NAME [plan.world_size=8 plan.gpu=h100-80gb plan.compare_backends=true] ...`:
 what a run would cost per rank on a cluster, from the resolved config and the model on the meta device (no
-weights, seconds). `dry_run=true` of `python -m llmtrain` prints the same for the current world.
+weights, seconds). `dry_run=true` of `python -m llmtrain` prints the same for the current world (for plan.world_size
+when it is set).
 
 Per role (`stages.registry.stage_roles`) and backend: weights, gradients, optimizer state, gathered copies
 (`metrics/cost.py`, as each backend really holds them), activations and logits at the micro-batch, the total
@@ -56,6 +57,7 @@ from llmtrain.plan_core import (
     stage_activations,
 )
 from llmtrain.plan_pp import pipeline_layout, pipeline_lines, pipeline_p2p
+from llmtrain.plan_rl import engine_lines, engine_memory, engine_model, engine_setup
 from llmtrain.stages.registry import stage_spec
 from llmtrain.validation import data_parallel_size, validate
 
@@ -189,6 +191,7 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
         lines.append(f"{cfg.stage.name}: a step is one iteration: generate {st.rl.samples} sequences, the experience "
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "
                      f"count all of it; the rollout's own gathers, a few KB, are left out)")
+        lines += engine_section(cfg, st, rows)
     lines += [f"{r.layout.name}: dp {r.layout.dp} × sp {r.layout.sp}, {-(-st.seq // r.layout.sp)} tokens of each row "
               "per rank (activations and logits at s/sp; 4 all-to-alls per layer)" for r in rows if r.layout.sp > 1]
     lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
@@ -200,6 +203,16 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
                      f"({_size(r.device_bytes)} of {gpu.memory_gib:.1f} GiB, {USABLE:.0%} usable); "
                      f"largest micro-batch that fits {r.max_micro}")
     return lines + longest_sequence_lines(st, [r.layout for r in rows], sp_of(cfg.backend))
+
+
+def engine_section(cfg: DictConfig, st: Setting, rows: list[Row]) -> list[str]:
+    """ppo.rollout.engine=vllm: the engine's memory per engine GPU, and with the trainer on a shared GPU (plan_rl)."""
+    engine = engine_setup(cfg, st.precision)
+    if engine is None:
+        return []
+    memory = engine_memory(engine_model(cfg, st.facts), engine, st.gpu, samples=st.rl.samples, seq=st.seq)
+    training = [(r.layout.name, r.device_bytes, sum(s.device for s in r.states.values())) for r in rows]
+    return engine_lines(engine, memory, st.gpu, training, USABLE)
 
 
 def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[str]:
@@ -242,8 +255,23 @@ def batch_arithmetic(cfg: DictConfig, world: int) -> str:
             f"max_seq_len {cfg.data.max_seq_len})")
 
 
+def dry_run_world(cfg: DictConfig, world: int) -> int:
+    """The world a dry run plans: `plan.world_size` when set (validated for it: a one-process dry run of a recipe
+    sized for 8 GPUs plans 8), else the current one. A real run always plans its own world (the fit check, the live
+    cost)."""
+    planned = cfg.plan.world_size if cfg.dry_run and cfg.plan.world_size else world
+    if planned != world:
+        if planned < 1:
+            raise ConfigError(f"plan.world_size={planned} must be >= 1 (the number of ranks to plan for)")
+        validate(cfg, planned)
+        check_backend_against_model(cfg, planned)
+    return planned
+
+
 def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
-    """The run's own summary lines, then the plan of its backend on this world and device (dry_run=true prints it)."""
+    """The run's own summary lines, then the plan of its backend on this world and device (dry_run=true prints it;
+    a dry run with plan.world_size plans that world: `dry_run_world`)."""
+    current, world = world, dry_run_world(cfg, world)
     facts = model_facts(cfg)
     gpu = resolve_gpu(cfg.plan, device.type, world)
     layout = layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)
@@ -257,7 +285,8 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
     state = planned_state_bytes(trainable=trainable, frozen=frozen, stage=stage, dp=layout.shards,  # ZeRO: dp × sp
                                 mixed_precision=mixed, frozen_elem_bytes=frozen_elem)
     lines = [f"recipe {cfg.recipe}: stage {cfg.stage.name}, backend {cfg.backend.name}, precision {precision} "
-             f"on {device.type}, world {world}",
+             f"on {device.type}, world {world}"
+             f"{f' (plan.world_size; this process: world {current})' if world != current else ''}",
              f"model {facts.label}: {facts.params / 1e6:,.1f}M parameters (L={facts.layers}, h={facts.hidden}, "
              f"heads={facts.heads}, vocab={facts.vocab})",
              f"training FLOPs ≈ 6·M + 12·L·h·s = "

@@ -33,7 +33,15 @@ from llmtrain.models.load import (
 )
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.ulysses import ulysses_attention
-from llmtrain.parallel import DistContext, env_world_size, init_distributed, quiesce, resolve_device, shutdown
+from llmtrain.parallel import (
+    DistContext,
+    env_world_size,
+    init_distributed,
+    quiesce,
+    resolve_device,
+    resolve_precision,
+    shutdown,
+)
 from llmtrain.plan import plan_run
 from llmtrain.plan_core import RunPlan, check_backend_against_model
 from llmtrain.plan_fit import run_fit_problems
@@ -45,14 +53,6 @@ from llmtrain.trainer import Trainer, TrainerSettings
 from llmtrain.validation import validate
 
 log = logging.getLogger("llmtrain")
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    if requested != "auto":
-        return requested
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "fp32"  # CPU: bf16 autocast is ~35x slower than fp32 here
 
 
 def check_run_dir(run_dir: Path, resume: str | None) -> None:
@@ -105,7 +105,7 @@ def run(cfg: DictConfig) -> None:
 
 def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, plan: RunPlan,
            resume_dir: Path | None) -> None:
-    m, d, t = cfg.model, cfg.data, cfg.trainer
+    m = cfg.model
     if ctx.is_main:
         log.info("plan:\n%s", plan.text)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
@@ -115,6 +115,15 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
                             r.source.trust_remote_code, vocab_size=len(tokenizer)) for r in stage_roles(cfg).values()]
     attn = attention_for_family(attn, m.attn_implementation, configs)  # what each role's class supports (Gemma-2)
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
+    try:
+        _train_stage(cfg, ctx, run_dir, precision, plan, resume_dir, tokenizer, stage, attn, configs)
+    finally:
+        stage.close()  # what the stage started (an inference server), on success and on every failure
+
+
+def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, plan: RunPlan,
+                 resume_dir: Path | None, tokenizer, stage, attn: str, configs: list) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.trainer
     attn = attention_for_family(stage.attention(attn), m.attn_implementation, configs)  # PPO: left padding, a mask
     if packs_rows(cfg, attn):
         problems = packed_window_problems(attn, configs, d.max_seq_len)

@@ -7,6 +7,10 @@ advantages and returns are regression targets, never differentiated through.
 The stage picks an estimator by name from `ADVANTAGE_ESTIMATORS`; `needs_critic[name]` tells it
 whether to build a critic. Every estimator takes one `AdvantageInputs` and returns
 (advantages (B, A), returns (B, A) or None), both 0 outside the mask.
+
+Unscored rows (`AdvantageInputs.scored` False: every reward function returned None, TRL's "unscorable"
+completions) are left out of every group statistic (mean, std, leave-one-out baseline) and get advantage 0,
+as TRL 1.16's GRPOTrainer and RLOOTrainer do with NaN rewards (nanmean, nanstd, nan_to_num).
 """
 
 from collections.abc import Callable
@@ -85,8 +89,26 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 SCALE_REWARDS = ("group", "batch", "none")
 
 
+def kept_mean(x: torch.Tensor, kept: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x where `kept` over `dim` (None: every element), the reduced dims kept as size 1; 0 where none is
+    kept (TRL's nanmean, whose NaN there ends as advantage 0 too)."""
+    dims = tuple(range(x.dim())) if dim is None else (dim,)
+    return torch.where(kept, x, 0.0).sum(dims, keepdim=True) / kept.sum(dims, keepdim=True).clamp(min=1)
+
+
+def kept_std(x: torch.Tensor, kept: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unbiased (÷ (n − 1)) std of x where `kept`, as kept_mean; 0 where fewer than 2 are kept (TRL's nanstd is NaN
+    there; the advantage (x − mean) / (std + eps) of a lone kept row is 0 either way)."""
+    dims = tuple(range(x.dim())) if dim is None else (dim,)
+    count = kept.sum(dims, keepdim=True)
+    deviations = torch.where(kept, (x - kept_mean(x, kept, dim)) ** 2, 0.0)
+    variance = deviations.sum(dims, keepdim=True) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, variance.sqrt(), 0.0)
+
+
 @torch.no_grad()
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group",
+                     scored: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO (Shao et al. 2024): (N,) scores -> (N,) (score − group mean) / (group std + eps).
 
     Sample i answers prompt i // group_size, so a group is a consecutive run of `group_size`
@@ -95,19 +117,19 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4, s
     (Bessel, ÷ (n − 1), its `nanstd`), eps = 1e-4 is added to the std (not the variance), in fp32.
     A group of one sample has std 0 by convention (TRL does the same), so its advantage is 0, not NaN.
     scale="batch": the std of the whole batch instead (TRL's scale_rewards="batch"); "none": only the group mean is
-    subtracted (Dr. GRPO: dividing by a group's std weighs nearly-solved prompts up). Not here: NaN scores.
+    subtracted (Dr. GRPO: dividing by a group's std weighs nearly-solved prompts up).
+    scored (N,) bool: False rows (no reward function scored them) are out of the mean and std and get 0, as TRL's
+    NaN rewards; None: every row is scored.
     """
     if group_size < 1 or scores.numel() % group_size:
         raise ValueError(f"{scores.numel()} scores do not split into groups of group_size={group_size}")
-    grouped = scores.float().view(-1, group_size)  # (N / K, K)
-    mean = grouped.mean(dim=1, keepdim=True)  # (N / K, 1)
-    if scale == "none":
-        return (grouped - mean).view(-1)
-    if scale == "batch":
-        std = scores.float().std().expand_as(mean) if scores.numel() > 1 else torch.zeros_like(mean)
-    else:
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # unbiased
-    return ((grouped - mean) / (std + eps)).view(-1)  # (N,)
+    kept = torch.ones(scores.shape, dtype=torch.bool, device=scores.device) if scored is None else scored.bool()
+    grouped, kept = scores.float().view(-1, group_size), kept.view(-1, group_size)  # (N / K, K)
+    centred = grouped - kept_mean(grouped, kept, dim=1)  # (N / K, K)
+    if scale != "none":
+        std = kept_std(grouped, kept, dim=None if scale == "batch" else 1)  # (1, 1) or (N / K, 1), unbiased
+        centred = centred / (std + eps)
+    return torch.where(kept, centred, 0.0).view(-1)  # (N,)
 
 
 def last_action(mask: torch.Tensor) -> torch.Tensor:
@@ -153,6 +175,13 @@ class AdvantageInputs:
     gamma: float  # discount (GAE, REINFORCE++)
     lam: float  # GAE λ
     scale_rewards: str = "group"  # grpo: group | batch | none (SCALE_REWARDS)
+    scored: torch.Tensor | None = None  # (B,) bool: False where no reward function scored the row; None: all scored
+
+    def scored_rows(self) -> torch.Tensor:
+        """(B,) bool: the rows a reward function scored (out of group statistics otherwise, advantage 0)."""
+        if self.scored is None:
+            return torch.ones(self.scores.shape, dtype=torch.bool, device=self.scores.device)
+        return self.scored.bool()
 
 
 def gae_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,38 +196,62 @@ def grpo_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
     is the sum of the token rewards: the score, minus β·ΣKL when the KL is in the reward (as verl), exactly the score
     otherwise (the other tokens' rewards are 0)."""
     advantages = group_advantages(inputs.token_rewards.sum(dim=1), inputs.group_size,
-                                  scale=inputs.scale_rewards)  # (B,)
+                                  scale=inputs.scale_rewards, scored=inputs.scored)  # (B,)
     return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
 
 
 def rloo_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
     """RLOO (Ahmadian et al. 2024, TRL's RLOOTrainer): each sample's return minus the mean return of the other K − 1
-    samples of its group, on every action token. Returns as grpo's (score − β·ΣKL in the reward)."""
+    samples of its group, on every action token. Returns as grpo's (score − β·ΣKL in the reward). As TRL: the mean
+    is over the scored siblings only; a row without any (or unscored itself) gets 0."""
     k = inputs.group_size
     if k < 2 or inputs.scores.numel() % k:
         raise ValueError(f"rloo needs groups of at least 2 samples, got group_size={k} for {inputs.scores.numel()}")
-    returns = inputs.token_rewards.sum(dim=1).view(-1, k)  # (N / K, K)
-    baseline = (returns.sum(dim=1, keepdim=True) - returns) / (k - 1)  # (N / K, K) leave-one-out mean
-    advantages = (returns - baseline).view(-1)  # (N,)
+    kept = inputs.scored_rows().view(-1, k)  # (N / K, K)
+    returns = torch.where(kept, inputs.token_rewards.sum(dim=1).view(-1, k), 0.0)  # (N / K, K)
+    others = kept.sum(dim=1, keepdim=True) - kept.long()  # (N / K, K) scored siblings
+    baseline = (returns.sum(dim=1, keepdim=True) - returns) / others.clamp(min=1)  # leave-one-out mean
+    advantages = torch.where(kept & (others > 0), returns - baseline, 0.0).view(-1)  # (N,)
     return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
 
 
 def reinforce_pp_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
     """REINFORCE++ (Hu 2025, OpenRLHF's "reinforce"): the discounted return-to-go of the token rewards (−β·KL per
     token, the score at the last), no critic and no group baseline; ppo.whiten_advantages normalises it over the
-    global batch, as the method does."""
+    global batch, as the method does (required: checks.py refuses whiten_advantages=false, stage=grpo's preset)."""
     return discounted_returns(inputs.token_rewards, inputs.mask, inputs.gamma), None
 
 
 def reinforce_pp_baseline_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
-    """REINFORCE++ with a baseline (OpenRLHF's "reinforce_baseline"): the score minus its group's mean score (the KL
-    tokens untouched), then the return-to-go, normalised over the global batch by ppo.whiten_advantages."""
+    """REINFORCE++ with a baseline as OpenRLHF's "reinforce_baseline": the score minus its group's mean score at the
+    last action token (the −β·KL tokens untouched), then the discounted return-to-go
+        A_t = Σ_{k ≥ t} γ^(k−t)·r'_k,   r'_k = −β·KL_k (+ score − mean_group(score) at the last token),
+    normalised over the global batch by ppo.whiten_advantages (required: checks.py). The group mean is over the
+    scored rows; an unscored row gets 0."""
     k = inputs.group_size
     if inputs.scores.numel() % k:
         raise ValueError(f"{inputs.scores.numel()} scores do not split into groups of group_size={k}")
-    group_mean = inputs.scores.float().view(-1, k).mean(dim=1, keepdim=True).expand(-1, k).reshape(-1)  # (N,)
+    kept = inputs.scored_rows()  # (N,)
+    group_mean = kept_mean(inputs.scores.float().view(-1, k), kept.view(-1, k), dim=1).expand(-1, k).reshape(-1)
     shifted = inputs.token_rewards - torch.where(last_action(inputs.mask), group_mean.unsqueeze(1), 0.0)
-    return discounted_returns(shifted, inputs.mask, inputs.gamma), None
+    return torch.where(kept.unsqueeze(1), discounted_returns(shifted, inputs.mask, inputs.gamma), 0.0), None
+
+
+def reinforce_pp_baseline_verl_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ with a baseline as verl's "reinforce_plus_plus_baseline": each sample's return, the sum of its
+    token rewards (score − β·ΣKL with the KL in the reward), minus its group's mean return, the same on every action
+        A_t = Σ_k r_k − mean_group(Σ_k r_k)   (no return-to-go: γ plays no part),
+    normalised over the global batch by ppo.whiten_advantages (required: checks.py; verl whitens inside). Equal to
+    reinforce_pp_baseline when the KL is not in the reward and γ = 1; with −β·KL per token in the reward the two
+    differ (here the KL enters the baseline and every token carries the sequence's total). Group mean over the
+    scored rows; an unscored row gets 0."""
+    k = inputs.group_size
+    if inputs.scores.numel() % k:
+        raise ValueError(f"{inputs.scores.numel()} scores do not split into groups of group_size={k}")
+    kept = inputs.scored_rows().view(-1, k)  # (N / K, K)
+    returns = inputs.token_rewards.sum(dim=1).view(-1, k)  # (N / K, K)
+    advantages = torch.where(kept, returns - kept_mean(returns, kept, dim=1), 0.0).view(-1)  # (N,)
+    return torch.where(inputs.mask, advantages.unsqueeze(1), 0.0), None
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]] = {
@@ -206,11 +259,16 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, 
     "grpo": grpo_estimator,
     "rloo": rloo_estimator,
     "reinforce_pp": reinforce_pp_estimator,
-    "reinforce_pp_baseline": reinforce_pp_baseline_estimator,
+    "reinforce_pp_baseline": reinforce_pp_baseline_estimator,  # OpenRLHF's
+    "reinforce_pp_baseline_verl": reinforce_pp_baseline_verl_estimator,  # verl's
 }
 # Whether an estimator reads `values`, i.e. whether the stage must build and train a critic.
 needs_critic: dict[str, bool] = {"gae": True, "grpo": False, "rloo": False, "reinforce_pp": False,
-                                 "reinforce_pp_baseline": False}
+                                 "reinforce_pp_baseline": False, "reinforce_pp_baseline_verl": False}
 # Whether it compares the samples of a prompt (ppo.rollout.n_samples_per_prompt >= 2).
 needs_groups: dict[str, bool] = {"gae": False, "grpo": True, "rloo": True, "reinforce_pp": False,
-                                 "reinforce_pp_baseline": True}
+                                 "reinforce_pp_baseline": True, "reinforce_pp_baseline_verl": True}
+# Whether only ppo.whiten_advantages normalises its advantages (REINFORCE++: OpenRLHF and verl whiten them over the
+# batch; unwhitened, their scale is the raw returns'). checks.py refuses these with whiten_advantages=false.
+needs_whitening: dict[str, bool] = {"gae": False, "grpo": False, "rloo": False, "reinforce_pp": True,
+                                    "reinforce_pp_baseline": True, "reinforce_pp_baseline_verl": True}

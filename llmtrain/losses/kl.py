@@ -4,7 +4,7 @@ The policy samples the tokens, so the KL(π‖ref) = E_π[log π − log ref] is
 token from the two log-probabilities (Schulman, "Approximating KL divergence", 2020):
     k1 = log π − log ref                 unbiased, high variance, can be negative
     k2 = ½ (log π − log ref)²            biased, low variance, ≥ 0
-    k3 = e^(ref − π) − (ref − π) − 1     unbiased, low variance, ≥ 0 (GRPO's per-token KL)
+    k3 = e^(ref − π) − (ref − π) − 1     unbiased, low variance, ≥ 0 (GRPO's per-token KL), capped at 10
 Each maps (B, A) log-probs to a (B, A) estimate, elementwise; the caller applies the action mask.
 
 The coefficient that weighs the KL is either fixed or adapted towards a target KL (Ziegler et al.
@@ -18,9 +18,12 @@ from collections.abc import Callable
 import torch
 
 # exp() of a log-ratio above ~88 overflows fp32. A policy that has just left the reference cannot get
-# there, but one that has diverged can; ±20 keeps k3 finite (e^20 ≈ 5e8) so the step is reported and
-# handled by the non-finite rule on the loss, not by an inf that poisons the logged KL first.
+# there, but one that has diverged can; ±20 keeps k3 finite (e^20 ≈ 5e8). Then the estimate itself is
+# clamped to [−10, 10] (it is ≥ 0: at most 10), exactly as verl's kl_penalty "low_var_kl": one diverged
+# token weighs at most 10 in the KL (not 5e8) and, clamped, sends it no gradient, so it cannot dominate
+# the KL term's gradient over the batch's other tokens.
 K3_LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
 
 
 def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -34,9 +37,10 @@ def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """e^x − x − 1 with x = log ref − log π (clamped to ±20), (B, A) fp32; ≥ 0 since e^x ≥ 1 + x."""
+    """clamp(e^x − x − 1, ±10) with x = log ref − log π clamped to ±20 (verl's low_var_kl), (B, A) fp32; ≥ 0 since
+    e^x ≥ 1 + x."""
     log_ratio = (ref_logp.float() - logp.float()).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # (B, A)
-    return torch.exp(log_ratio) - log_ratio - 1
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-K3_CLAMP, K3_CLAMP)
 
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": k1, "k2": k2, "k3": k3}

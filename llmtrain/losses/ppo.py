@@ -7,7 +7,8 @@ including the first EOS. Everything is fp32 (inputs are cast).
 Losses are per token, 0 outside the mask, and the caller *sums* them (`masked_sum`) and divides by
 the action tokens of the whole global mini-batch (all micro-batches, all ranks), as the SFT loss is
 normalised by its target tokens. That is TRL 1.16's GRPO default, loss_type="dapo"; its "grpo" loss
-(mean over each sequence's tokens, then over sequences) weighs a short answer's tokens more.
+(mean over each sequence's tokens, then over sequences) weighs a short answer's tokens more. `aggregation_weights`
+gives every ppo.loss_agg as per-token weights and a count.
 """
 
 from typing import NamedTuple
@@ -152,25 +153,41 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return torch.where(var_returns > 0, 1 - ratio, float("nan")).float()
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo", "seq_mean_token_sum_norm")
 
 
-def aggregation_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> tuple[torch.Tensor, int]:
-    """How the per-token losses of a micro-batch add up (verl's loss_agg_mode): ((B, A) fp32 weight per token, the
-    count the step divides the weighted sum by, summed over micro-batches and ranks).
-    token_mean: every action token of the mini-batch alike (TRL's "dapo"): weight 1, count tokens.
-    seq_mean_token_mean: each sequence's mean, then the mean over sequences (TRL's "grpo"): 1 / its length, sequences.
-    seq_mean_token_sum: each sequence's sum, mean over sequences: 1, sequences.
-    seq_mean_token_sum_norm: Dr. GRPO, the sum over a constant max_new_tokens: 1 / max_new_tokens, sequences.
-    Sequences without an action token count for nothing."""
+def resolve_loss_agg(loss_agg: str | None, ratio_level: str) -> str:
+    """ppo.loss_agg as set, or (null) the ratio level's own: seq_mean_token_mean for GSPO (ratio_level="sequence":
+    the paper's objective is a mean over sequences, and verl's GSPO recipe sets it), token_mean otherwise."""
+    if loss_agg is not None:
+        return loss_agg
+    return "seq_mean_token_mean" if ratio_level == "sequence" else "token_mean"
+
+
+def aggregation_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int,
+                        mini_batch_size: int | None = None) -> tuple[torch.Tensor, int]:
+    """How the per-token losses ℓ_it of a micro-batch add up (verl's loss_agg_mode, TRL's loss_type): ((B, A) fp32
+    weight per token, the count the step divides the weighted sum by, summed over micro-batches and ranks). Over the
+    global mini-batch of N sequences (all its micro-batches), m_it the action mask, L = max_new_tokens:
+    token_mean (TRL's "dapo", verl's token-mean):            Σ_it m·ℓ / Σ_it m             weight 1, count tokens
+    seq_mean_token_mean (TRL's "grpo", verl's):               (1/N) Σ_i Σ_t m·ℓ / Σ_t m     weight 1/|y_i|, rows
+    seq_mean_token_sum (TRL's "luspo", verl's):               (1/N) Σ_it m·ℓ                weight 1, rows
+    dr_grpo (TRL's "dr_grpo", Dr. GRPO):                      Σ_it m·ℓ / (N·L)              weight 1/L, rows
+    seq_mean_token_sum_norm (verl's agg_loss of that name):   Σ_it m·ℓ / L, not ÷ N         weight N/L, rows
+    (verl's loss_scale_factor, default the response length; its trainer also scales each micro-batch's loss by
+    micro/mini-batch size, a gradient-accumulation detail not copied: this is agg_loss over the whole mini-batch.)
+    Every row counts in N, also one without action tokens (ppo.mask_truncated): TRL and verl divide by the batch.
+    mini_batch_size: N, for seq_mean_token_sum_norm's weight (the step's sequences; None: this micro-batch's)."""
     lengths = mask.sum(dim=-1, keepdim=True)  # (B, 1)
-    sequences = int((lengths > 0).sum())
+    rows = mask.shape[0]
     if loss_agg == "token_mean":
         return mask.float(), int(mask.sum())
     if loss_agg == "seq_mean_token_mean":
-        return mask.float() / lengths.clamp(min=1), sequences
+        return mask.float() / lengths.clamp(min=1), rows
     if loss_agg == "seq_mean_token_sum":
-        return mask.float(), sequences
-    if loss_agg == "seq_mean_token_sum_norm":
-        return mask.float() / max_new_tokens, sequences
+        return mask.float(), rows
+    if loss_agg == "dr_grpo":
+        return mask.float() / max_new_tokens, rows
+    if loss_agg == "seq_mean_token_sum_norm":  # Σ (N/L)·ℓ / N = Σ ℓ / L
+        return mask.float() * (mini_batch_size or rows) / max_new_tokens, rows
     raise ValueError(f"loss_agg={loss_agg!r} is not one of {', '.join(LOSS_AGGREGATIONS)}")

@@ -83,6 +83,9 @@ class Stage(Protocol):
         dropped). `data`: the stage's train/eval examples; `prepare_batch`: a collated batch -> on the device."""
         return engines
 
+    def close(self) -> None:
+        """At the end of the run, also after a failure: stop what the stage started (PPO's inference server)."""
+
     def data_position(self, step: int) -> int:
         """Where the data stream resumes after `step` steps, in steps' worth of fetches (the sampler's index)."""
         return step

@@ -15,6 +15,14 @@ def test_a_group_is_varied_when_any_two_scores_differ():
     assert varied_groups(scores, 3).tolist() == [False, True, True]
 
 
+def test_unscored_rows_do_not_make_a_group_varied():
+    """NaN: no reward function scored the row (it is out of its group's statistics, advantage 0): only the scored
+    rows of a group can differ."""
+    nan = float("nan")
+    scores = torch.tensor([1.0, nan, 1.0, 0.0, nan, 1.0, nan, nan, 2.0, nan, nan, nan])
+    assert varied_groups(scores, 3).tolist() == [False, True, False, False]
+
+
 def test_the_first_varied_groups_are_kept_in_order():
     varied = torch.tensor([False, True, True, False, True, True])
     kept, topped_up = chosen_groups(varied, 3)

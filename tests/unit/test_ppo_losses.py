@@ -141,7 +141,7 @@ def test_k3_is_nonnegative_and_finite_for_a_diverged_policy():
     assert (KL_ESTIMATORS["k3"](logp, ref) >= 0).all()
     far = KL_ESTIMATORS["k3"](torch.tensor([[-1000.0, 0.0]]), torch.tensor([[0.0, -1000.0]]))
     assert torch.isfinite(far).all()
-    assert_close(far, [[math.exp(20) - 21, math.exp(-20) + 19]], rtol=1e-6)  # clamped at ±20
+    assert_close(far, [[10.0, 10.0]])  # e^20 − 21 and e^−20 + 19 past the log-ratio clamp, then the estimate's (verl)
 
 
 def test_adaptive_kl_controller_by_hand_and_resume():
@@ -417,7 +417,7 @@ def test_trl_grpo_loss_type_is_a_mean_of_sequence_means(grpo_batch):
 # TRL's loss types are llmtrain's loss aggregations (ppo.loss_agg); TRL's importance_sampling_level="sequence" is
 # GSPO (ppo.ratio=sequence); epsilon_high is clip-higher (ppo.clip_eps_high)
 TRL_LOSS_TYPES = {"dapo": "token_mean", "grpo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum",
-                  "dr_grpo": "seq_mean_token_sum_norm"}
+                  "dr_grpo": "dr_grpo"}
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -511,3 +511,162 @@ def test_grpo_scale_rewards_group_batch_none_as_trl():
                            ("batch", scores.std() + 1e-4), ("none", torch.tensor(1.0))):
         inputs, mask = estimator_inputs(scores, scale=scale)
         assert_close(ADVANTAGE_ESTIMATORS["grpo"](inputs)[0][:, 0], centred / divisor)
+
+
+# --- the RL audit (TRL 1.16, verl's core_algos.py): unscored rows, REINFORCE++'s baselines, loss aggregations, GSPO's
+# default aggregation, k3's clamp -------------------------------------------------------------------------------------
+
+def unscored_inputs(raw, scale="group", kl_coef=0.0, gamma=1.0):
+    """12 rows in groups of 4, NaN where no reward function scored the row (as make_experience passes them)."""
+    mask = torch.ones(raw.numel(), 3, dtype=torch.bool)
+    mask[1, 2:] = False
+    scored = ~raw.isnan()
+    scores = raw.nan_to_num(0.0)
+    rewards = token_rewards(torch.full(mask.shape, 0.5), scores, mask, kl_coef)
+    return AdvantageInputs(token_rewards=rewards, values=None, mask=mask, scores=scores, group_size=4, gamma=gamma,
+                           lam=1.0, scale_rewards=scale, scored=scored), mask
+
+
+UNSCORED = torch.tensor([1.0, 3.0, NAN, 2.0, 0.0, NAN, NAN, 5.0, NAN, 4.0, NAN, NAN])  # the last group: one scored
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_grpo_leaves_unscored_rows_out_of_the_group_statistics_as_trl(scale):
+    """TRL 1.16 GRPOTrainer: rewards[unscorable] = NaN, nanmean / nanstd (of the group, or the batch), advantages
+    nan_to_num(0). Before, an unscored row scored 0, entered its group's mean and std, and trained on its own
+    advantage (−0.87 in the audit)."""
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="TRL is the reference implementation")
+    grouped = UNSCORED.view(-1, 4)
+    centred = (grouped - grouped.nanmean(dim=1, keepdim=True)).view(-1)
+    std = {"group": trl_utils.nanstd(grouped, dim=1, keepdim=True).expand(-1, 4).reshape(-1),
+           "batch": trl_utils.nanstd(UNSCORED).expand(12), "none": None}[scale]
+    trl = (centred if std is None else centred / (std + 1e-4)).nan_to_num(0.0)
+    inputs, mask = unscored_inputs(UNSCORED, scale=scale)
+    advantages, _ = ADVANTAGE_ESTIMATORS["grpo"](inputs)
+    assert_close(advantages, torch.where(mask, trl.unsqueeze(1), 0.0), atol=1e-5)
+    assert (advantages[UNSCORED.isnan()] == 0).all()
+
+
+def test_rloo_leaves_unscored_rows_out_of_the_baseline_as_trl():
+    """TRL 1.16 RLOOTrainer: the leave-one-out mean over the scorable siblings only ((nansum − r) / (count − 1)); a
+    group with one scorable sample and the unscorable rows get 0."""
+    grouped = UNSCORED.view(-1, 4)
+    count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    baseline = (grouped.nansum(dim=1, keepdim=True) - grouped) / (count - 1)
+    trl = (grouped - baseline).view(-1).nan_to_num(0.0)
+    inputs, mask = unscored_inputs(UNSCORED)
+    assert_close(ADVANTAGE_ESTIMATORS["rloo"](inputs)[0], torch.where(mask, trl.unsqueeze(1), 0.0))
+    assert_close(trl[:4], [1 - 2.5, 3 - 1.5, 0.0, 2 - 2.0])  # by hand: group (1, 3, –, 2)
+
+
+@pytest.mark.parametrize("name", ["reinforce_pp_baseline", "reinforce_pp_baseline_verl"])
+def test_reinforce_pp_baselines_leave_unscored_rows_out_of_the_group_mean(name):
+    """Group (1, 3, –, 2): the baseline is 2, the mean of the three scored rows (not 1.5 with a 0 for the unscored
+    one); the unscored row's advantage is 0. γ = 1, no KL: both variants give score − 2 on every action token."""
+    inputs, mask = unscored_inputs(UNSCORED)
+    advantages, _ = ADVANTAGE_ESTIMATORS[name](inputs)
+    assert_close(advantages[:4], torch.where(mask[:4], torch.tensor([-1.0, 1.0, 0.0, 0.0]).unsqueeze(1), 0.0))
+    assert (advantages[UNSCORED.isnan()] == 0).all()
+    assert_close(advantages[9], [0.0, 0.0, 0.0])  # the only scored row of its group: its own baseline
+
+
+def test_reinforce_pp_baselines_openrlhf_and_verl_differ_with_the_kl_in_the_reward():
+    """reinforce_pp_baseline (OpenRLHF): the score minus its group's mean score at the last token, then the
+    return-to-go of the token rewards (−β·KL per token). reinforce_pp_baseline_verl (verl): the summed token rewards
+    minus their group's mean, the same on every action token. Without a KL in the reward and γ = 1 they agree."""
+    scores = torch.tensor([1.0, 3.0, 4.0, 8.0])
+    plain, mask = estimator_inputs(scores)
+    openrlhf, _ = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"](plain)
+    verl, _ = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline_verl"](plain)
+    assert_close(verl, openrlhf)
+    assert_close(verl[:, 0], [-1.0, 1.0, -2.0, 2.0])
+    penalised, _ = estimator_inputs(scores, kl_coef=0.5)  # β·KL = 0.25 per token; lengths 3, 2, 1, 3
+    openrlhf, _ = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"](penalised)
+    verl, _ = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline_verl"](penalised)
+    returns = torch.tensor([1 - 0.75, 3 - 0.5, 4 - 0.25, 8 - 0.75])  # group means 1.375 and 5.5
+    assert_close(verl, torch.where(mask, (returns - torch.tensor([1.375, 1.375, 5.5, 5.5])).unsqueeze(1), 0.0))
+    assert_close(openrlhf[0], [-0.75 + 1 - 2, -0.5 + 1 - 2, -0.25 + 1 - 2])  # return-to-go, the score minus 2
+    assert not torch.allclose(verl, openrlhf)
+
+
+def test_every_reinforce_pp_estimator_is_normalised_by_whitening():
+    from llmtrain.losses.advantages import needs_whitening
+
+    assert set(needs_whitening) == set(ADVANTAGE_ESTIMATORS)
+    assert [n for n, w in needs_whitening.items() if w] == ["reinforce_pp", "reinforce_pp_baseline",
+                                                            "reinforce_pp_baseline_verl"]
+
+
+AGG_LOSSES = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+AGG_MASK = torch.tensor([[True, True, True, False], [True, False, False, False]])
+
+
+def aggregated(name, losses=AGG_LOSSES, mask=AGG_MASK, max_new_tokens=4, rows=None):
+    """The step's loss: Σ weighted losses / Σ counts over the micro-batches (`rows`: one per micro-batch)."""
+    from llmtrain.losses.ppo import aggregation_weights
+
+    total, count = 0.0, 0
+    for part in rows or [slice(None)]:
+        weights, n = aggregation_weights(mask[part], name, max_new_tokens, mini_batch_size=mask.shape[0])
+        total, count = total + (losses[part] * weights).sum().item(), count + n
+    return total / count
+
+
+def test_loss_aggregations_by_hand():
+    """Losses (1, 2, 3) and (4), max_new_tokens 4: token_mean 10/4; seq_mean_token_mean (2 + 4)/2; seq_mean_token_sum
+    (6 + 4)/2; dr_grpo (TRL's) Σ/(B·max_new_tokens) = 10/8; seq_mean_token_sum_norm (verl's agg_loss) Σ/max_new_tokens
+    = 10/4, not divided by the sequences, also when the mini-batch is split in micro-batches."""
+    from llmtrain.losses.ppo import LOSS_AGGREGATIONS
+
+    expected = {"token_mean": 2.5, "seq_mean_token_mean": 3.0, "seq_mean_token_sum": 5.0, "dr_grpo": 1.25,
+                "seq_mean_token_sum_norm": 2.5}
+    assert set(LOSS_AGGREGATIONS) == set(expected)
+    for name, value in expected.items():
+        assert math.isclose(aggregated(name), value, rel_tol=1e-6), name
+        assert math.isclose(aggregated(name, rows=[slice(0, 1), slice(1, 2)]), value, rel_tol=1e-6), name
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_a_masked_out_row_counts_in_the_sequence_means_as_trl(grpo_batch, loss_type):
+    """ppo.mask_truncated leaves a row without action tokens: TRL's grpo and dr_grpo still divide by every row (its
+    loss is 0), dapo by the tokens; before, the sequence means left the row out of their count."""
+    logp, old, ref, advantages, mask = grpo_batch
+    mask = mask.clone()
+    mask[1] = False  # truncated, masked
+    trl_loss, _ = trl_grpo_loss(logp, old, ref, advantages, mask, loss_type=loss_type, beta=0.04,
+                                bias_correction=False)
+    _, per_token = ours(logp, old, ref, advantages, mask, 0.04)
+    name = {"grpo": "seq_mean_token_mean", "dr_grpo": "dr_grpo", "dapo": "token_mean"}[loss_type]
+    assert math.isclose(aggregated(name, per_token, mask, max_new_tokens=mask.size(1)), trl_loss, rel_tol=1e-6)
+
+
+def test_gspo_aggregates_per_sequence_by_default():
+    """ppo.loss_agg=null: seq_mean_token_mean under ppo.ratio=sequence (GSPO's objective, as the paper and verl: the
+    mean over sequences of min(s·A, clip(s)·A)), token_mean otherwise; a set value is kept."""
+    from llmtrain.losses.ppo import resolve_loss_agg
+
+    assert resolve_loss_agg(None, "sequence") == "seq_mean_token_mean"
+    assert resolve_loss_agg(None, "token") == "token_mean"
+    assert resolve_loss_agg("token_mean", "sequence") == "token_mean"
+    torch.manual_seed(1)
+    mask = torch.tensor([[True] * 6, [True, True, False, False, False, False]])
+    old = -torch.rand(2, 6)
+    logp = old + torch.randn(2, 6) * 0.2
+    advantages = torch.tensor([1.0, -0.5])
+    terms = policy_loss_terms(logp, old, advantages.unsqueeze(1).expand_as(mask), mask, 0.2, ratio_level="sequence")
+    s = torch.exp(torch.stack([(logp - old)[i][mask[i]].mean() for i in range(2)]))
+    paper = -torch.minimum(s * advantages, s.clamp(0.8, 1.2) * advantages).mean()
+    default = aggregated(resolve_loss_agg(None, "sequence"), terms.losses, mask, max_new_tokens=6)
+    assert math.isclose(default, paper.item(), rel_tol=1e-5)
+    assert not math.isclose(aggregated("token_mean", terms.losses, mask, max_new_tokens=6), paper.item(), rel_tol=1e-3)
+
+
+def test_k3_estimate_is_clamped_as_verl():
+    """verl's kl_penalty "low_var_kl": the log-ratio clamped to ±20, the estimate to [−10, 10], so one diverged token
+    weighs at most 10 in the KL and gives it no gradient (before: e^20 − 21 ≈ 5e8)."""
+    logp = torch.tensor([[-30.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5]])
+    kl = KL_ESTIMATORS["k3"](logp, ref)
+    assert_close(kl.detach(), [[10.0, math.exp(-0.5) + 0.5 - 1]])
+    grad, = torch.autograd.grad(kl.sum(), logp)
+    assert grad[0, 0] == 0 and grad[0, 1] != 0

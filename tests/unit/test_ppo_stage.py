@@ -388,5 +388,92 @@ def test_truncated_responses_train_nothing_but_their_scores_count():
     masked = without_truncated(exp)
     assert masked.action_mask.tolist() == [[True] * 3, [False] * 3]
     assert torch.equal(masked.advantages, torch.tensor([[1.0] * 3, [0.0] * 3]))
-    assert masked.old_logps[1].abs().sum() == 0 and masked.kl[1].abs().sum() == 0
+    assert masked.old_logps[1].abs().sum() == 0 and masked.ref_logps[1].abs().sum() == 0
+    assert torch.equal(masked.kl, exp.kl) and torch.equal(masked.sampled_mask, mask)  # the rollout as sampled
     assert torch.equal(masked.scores, exp.scores)
+
+
+# ---- the RL audit: unscored rows, REINFORCE++ needs whitening, metrics of the rollout as sampled, GSPO's default -----
+
+def test_a_row_no_reward_function_scores_is_nan_as_trl():
+    """TRL 1.16: nansum over the functions, NaN where every function returned None (the row is then out of its
+    group's statistics, advantage 0); before, such a row scored 0."""
+    from llmtrain.stages.ppo.rewards import RewardFunction, combined_scores
+
+    def only_short(completions, **kwargs):
+        return [1.0 if len(c) < 3 else None for c in completions]
+
+    def only_long(completions, **kwargs):
+        return [2.0 if len(c) > 4 else None for c in completions]
+
+    functions = [RewardFunction("only_short", only_short), RewardFunction("only_long", only_long, 0.5)]
+    scores, _ = combined_scores(functions, completions_of(["p"] * 3, ["ab", "abcd", "abcdef"]))
+    assert scores[0] == 1.0 and math.isnan(scores[1]) and scores[2] == 1.0
+
+
+def audit_experience(scores, lengths, ended, width=6, kl=0.1):
+    """Rows of prompt 2 and `width` response columns, each with `lengths[i]` action tokens and KL `kl` on each."""
+    rows = len(scores)
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # (B, A)
+    zeros = torch.zeros(rows, width)
+    return Experience(sequences=torch.full((rows, 2 + width), 5), attention_mask=torch.cat(
+        [torch.ones(rows, 2, dtype=torch.long), mask.long()], 1), action_mask=mask, old_logps=zeros, ref_logps=zeros,
+        values=zeros, token_rewards=zeros, advantages=zeros, returns=zeros, scores=torch.tensor(scores),
+        kl=torch.where(mask, kl, 0.0), ended=torch.tensor(ended))
+
+
+@pytest.mark.parametrize("advantage,whiten,expected", [
+    ("grpo", False, [-1 / 1.0001, 0.0, 1 / 1.0001, 0.0]),  # group (1, –, 3, 2): mean 2, std 1
+    ("reinforce_pp", True, [-1.5 ** 0.5, 0.0, 1.5 ** 0.5, 0.0]),  # whitened over the scored rows: mean 2, var 2/3
+])
+def test_make_experience_gives_unscored_rows_no_advantage(advantage, whiten, expected):
+    from llmtrain.stages.ppo.experience import ExperienceSettings, make_experience
+
+    settings = ExperienceSettings(temperature=1.0, kl_estimator="k3", kl_in_reward=False, advantage=advantage,
+                                  gamma=1.0, lam=1.0, whiten_advantages=whiten, group_size=4, micro_batch_size=4,
+                                  old_logps_from_update=True)
+    exp = audit_experience([1.0, math.nan, 3.0, 2.0], [3, 3, 3, 3], [True] * 4)
+    made = make_experience(exp, {}, [], 0.0, settings)
+    torch.testing.assert_close(made.advantages[:, :3], torch.tensor(expected).unsqueeze(1).expand(4, 3),
+                               atol=1e-4, rtol=0)
+    assert made.token_rewards.isfinite().all() and math.isnan(made.scores[1])
+
+
+def test_score_metrics_leave_unscored_rows_out_as_trl():
+    """TRL logs nanmean / nanstd of the rewards: an unscored row is out of `score`, `score_std` and `reward`."""
+    stage = grpo_stage()
+    raw = torch.tensor([1.0, math.nan, 3.0, 2.0])
+    metrics = stage._rollout_metrics(audit_experience(raw.tolist(), [3] * 4, [True] * 4), raw, 0.0)
+    assert metrics["score"] == pytest.approx(2.0) and metrics["reward"] == pytest.approx(2.0)
+    assert metrics["score_std"] == pytest.approx((2 / 3) ** 0.5)
+
+
+def test_masking_truncated_responses_leaves_the_rollout_metrics_as_sampled():
+    """ppo.mask_truncated on 2 rows, lengths 3 (ended) and 6 (cut), KL 0.1 per token: response_len 4.5 and kl 0.45
+    per sequence, what was sampled (the adaptive KL controller reads `kl`); before, 1.5 and 0.15."""
+    from llmtrain.stages.ppo.experience import without_truncated
+
+    stage = grpo_stage("ppo.kl.in_reward=true", "ppo.kl.estimator=k1")
+    masked = without_truncated(audit_experience([1.0, 0.0], [3, 6], [True, False]))
+    assert masked.action_mask[1].sum() == 0
+    metrics = stage._rollout_metrics(masked, torch.tensor([1.0, 0.0]), 0.5)
+    assert metrics["response_len"] == pytest.approx(4.5) and metrics["kl"] == pytest.approx(0.45)
+    assert metrics["kl_token"] == pytest.approx(0.1) and metrics["reward"] == pytest.approx(0.5 - 0.5 * 0.45)
+
+
+def test_reinforce_pp_refuses_to_train_unwhitened():
+    """stage=grpo presets ppo.whiten_advantages=false (the group's std scales grpo's advantages); REINFORCE++ is
+    normalised by the whitening alone, so its estimators under it are an error naming the field and the fix."""
+    for advantage in ("reinforce_pp", "reinforce_pp_baseline", "reinforce_pp_baseline_verl"):
+        cfg = compose_config(["recipe=grpo_tiny", f"ppo.advantage={advantage}"])
+        with pytest.raises(ConfigError, match=f"ppo.advantage={advantage} .* set ppo.whiten_advantages=true"):
+            validate(cfg, world_size=1)
+        validate(compose_config(["recipe=grpo_tiny", f"ppo.advantage={advantage}", "ppo.whiten_advantages=true"]),
+                 world_size=1)
+
+
+def test_gspo_takes_the_sequence_mean_unless_loss_agg_is_set():
+    assert grpo_stage().update.loss_agg == "token_mean"
+    assert grpo_stage("ppo.ratio=sequence").update.loss_agg == "seq_mean_token_mean"
+    assert grpo_stage("ppo.ratio=sequence", "ppo.loss_agg=token_mean").update.loss_agg == "token_mean"
+    assert grpo_stage("ppo.loss_agg=dr_grpo").update.loss_agg == "dr_grpo"

@@ -12,12 +12,15 @@ from llmtrain.config import ConfigError
 from llmtrain.data.prompts import PROMPT_FORMATS
 from llmtrain.losses.advantages import needs_critic
 from llmtrain.losses.kl import build_kl_controller
+from llmtrain.losses.ppo import resolve_loss_agg
 from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.models.stop_tokens import derive_stop_tokens
+from llmtrain.parallel import resolve_device, resolve_precision
 from llmtrain.stages.base import ModelSource, RoleSpec
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.config import PPOConfig
+from llmtrain.stages.ppo.engines import HFEngine
 from llmtrain.stages.ppo.experience import ExperienceSettings
 from llmtrain.stages.ppo.packed import PACKED_ATTENTIONS
 from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_functions, reward_model_statistics
@@ -67,9 +70,20 @@ def attention_for_rollouts(attn_implementation: str, packing: bool = False) -> s
 
 def old_logps_from_update(p) -> bool:
     """`ppo` config -> whether the update's own forward gives the old log-probs: one optimizer step per rollout
-    and the KL as a loss term (GRPO's usual setting), so the experience skips the actor's forward."""
+    and the KL as a loss term (GRPO's usual setting), so the experience skips the actor's forward. Not with
+    importance weights (they need π_old before the update, as TRL computes it) or the engine's old log-probs."""
     return (not p.kl.in_reward and p.epochs == 1 and p.critic.warmup_steps == 0
-            and p.mini_batch_size == p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt)
+            and p.mini_batch_size == p.rollout.prompts_per_step * p.rollout.n_samples_per_prompt
+            and importance_mode(p) is None and p.old_logprobs == "trainer")
+
+
+def importance_mode(p) -> str | None:
+    """ppo.importance_sampling.mode resolved: auto is TRL's sequence_mask with an engine of its own (vllm), nothing
+    with hf (the sampler is the trainer's own forward) or with the engine's old log-probs (the weight would be 1)."""
+    mode = p.importance_sampling.mode
+    if mode == "auto":
+        mode = "sequence_mask" if p.rollout.engine == "vllm" and p.old_logprobs == "trainer" else "none"
+    return None if mode == "none" else mode
 
 
 log = logging.getLogger(__name__)
@@ -96,6 +110,24 @@ def reward_function_specs(reward) -> list[str]:
     return list(reward.functions) or ([reward.function] if reward.function else [])
 
 
+def rollout_engine(cfg):
+    """ppo.rollout.engine -> the engine that samples (stages/ppo/engines): hf, or vLLM servers."""
+    rollout = cfg.ppo.rollout
+    if rollout.engine == "hf":
+        return HFEngine()
+    from llmtrain.stages.ppo.engines.vllm import VLLMEngine, VLLMSettings
+    from llmtrain.stages.ppo.engines.vllm_server import ServerSettings
+
+    v = rollout.vllm
+    precision = resolve_precision(cfg.precision, resolve_device(cfg.device))
+    server = None if v.python is None else ServerSettings(
+        python=v.python, precision=precision, max_model_len=cfg.data.max_seq_len, kv_cache_gib=v.kv_cache_gib,
+        gpu_memory_utilization=v.gpu_memory_utilization, start_timeout_s=v.start_timeout_s, args=tuple(v.args))
+    return VLLMEngine(VLLMSettings(urls=tuple(v.urls), server=server, run_dir=Path(cfg.output_dir), sleep=v.sleep,
+                                   request_timeout_s=v.request_timeout_s, sync_tolerance=v.sync_tolerance,
+                                   sync_dir=v.sync_dir))
+
+
 def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOStage:
     p, t = cfg.ppo, cfg.trainer
     r, rollout = p.reward, p.rollout
@@ -112,13 +144,16 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
         advantage=p.advantage, gamma=p.gamma, lam=p.lam, whiten_advantages=p.whiten_advantages,
         group_size=rollout.n_samples_per_prompt, micro_batch_size=t.micro_batch_size, scale_rewards=p.scale_rewards,
         mask_truncated=p.mask_truncated,
-        old_logps_from_update=old_logps_from_update(p), packed_attention=attention if p.packing else None)
+        old_logps_from_update=old_logps_from_update(p), packed_attention=attention if p.packing else None,
+        old_logps_from_engine=p.old_logprobs == "engine",
+        importance=None if importance_mode(p) is None else (importance_mode(p), p.importance_sampling.clip_max,
+                                                             p.importance_sampling.clip_min))
     update = UpdateSettings(epochs=p.epochs, mini_batch_size=p.mini_batch_size, clip_eps=p.clip_eps,
                             value_clip_eps=p.value_clip_eps, value_coef=p.value_coef, entropy_coef=p.entropy_coef,
                             kl_in_loss=not p.kl.in_reward, kl_estimator=p.kl.estimator,
                             temperature=rollout.temperature, clip_eps_high=p.clip_eps_high,
-                            clip_ratio_c=p.clip_ratio_c, ratio_level=p.ratio, loss_agg=p.loss_agg,
-                            max_new_tokens=rollout.max_new_tokens)
+                            clip_ratio_c=p.clip_ratio_c, ratio_level=p.ratio,
+                            loss_agg=resolve_loss_agg(p.loss_agg, p.ratio), max_new_tokens=rollout.max_new_tokens)
     shaping = ScoreShaping(clip=r.clip, missing_eos_penalty=r.missing_eos_penalty, overlong_buffer=p.overlong.buffer,
                            overlong_penalty=p.overlong.penalty, max_new_tokens=rollout.max_new_tokens,
                            statistics=reward_model_statistics(r.model) if r.normalize else None)
@@ -132,7 +167,8 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
                      stop_ids=stop_ids(cfg, source, tokenizer), attention=attention,
                      reward_model_weight=r.model_weight, critic_warmup_steps=p.critic.warmup_steps,
-                     filter_max_rounds=p.filter_max_rounds if p.filter_groups else 0)
+                     filter_max_rounds=p.filter_max_rounds if p.filter_groups else 0,
+                     rollout_engine=rollout_engine(cfg))
     stage.name = cfg.stage.name
     return stage
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.backends import parallel_degrees
-from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS, needs_critic, needs_groups
+from llmtrain.losses.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    SCALE_REWARDS,
+    needs_critic,
+    needs_groups,
+    needs_whitening,
+)
 from llmtrain.losses.kl import KL_ESTIMATORS
-from llmtrain.losses.ppo import LOSS_AGGREGATIONS, RATIO_LEVELS
+from llmtrain.losses.ppo import LOSS_AGGREGATIONS, RATIO_LEVELS, resolve_loss_agg
 
 CRITIC_INITS = ("policy", "reward")
 SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding masks: wrong for left-padded prompts
@@ -17,15 +23,12 @@ SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding mask
 def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     p, d, m, t = cfg.ppo, cfg.data, cfg.model, cfg.trainer
     r, rollout, kl = p.reward, p.rollout, p.kl
-    problems = []
-    if stage == "grpo" and needs_critic.get(p.advantage, False):
-        critic_free = ", ".join(name for name, critic in needs_critic.items() if not critic)
-        problems.append(f"stage=grpo trains no critic: ppo.advantage={p.advantage!r} must be one of {critic_free} "
-                        "(or use stage=ppo for gae with a critic)")
+    problems = _advantage_problems(p, stage)
     choices = {"ppo.advantage": (p.advantage, tuple(ADVANTAGE_ESTIMATORS)),
                "ppo.kl.estimator": (kl.estimator, tuple(KL_ESTIMATORS)),
                "ppo.critic.init": (p.critic.init, CRITIC_INITS), "ppo.scale_rewards": (p.scale_rewards, SCALE_REWARDS),
-               "ppo.loss_agg": (p.loss_agg, LOSS_AGGREGATIONS), "ppo.ratio": (p.ratio, RATIO_LEVELS)}
+               "ppo.loss_agg": (resolve_loss_agg(p.loss_agg, p.ratio), LOSS_AGGREGATIONS),  # null: follows ppo.ratio
+               "ppo.ratio": (p.ratio, RATIO_LEVELS)}
     problems += [f"{name}={value!r} is not one of {', '.join(allowed)}" for name, (value, allowed) in choices.items()
                  if value not in allowed]
     if d.packing:
@@ -55,17 +58,12 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if needs_critic.get(p.advantage) and p.critic.init == "reward" and r.model is None:
         problems.append("ppo.critic.init=reward starts the critic from the reward model: set ppo.reward.model, or "
                         "ppo.critic.init=policy")
-    if needs_groups.get(p.advantage) and rollout.n_samples_per_prompt < 2:
-        problems.append(f"ppo.advantage={p.advantage} compares the samples of a prompt: "
-                        f"ppo.rollout.n_samples_per_prompt={rollout.n_samples_per_prompt} must be >= 2")
     if p.filter_groups and (rollout.n_samples_per_prompt < 2 or p.filter_max_rounds < 1):
         problems.append(f"ppo.filter_groups=true drops the groups whose scores all agree: it needs "
                         f"ppo.rollout.n_samples_per_prompt >= 2 (is {rollout.n_samples_per_prompt}) and "
                         f"ppo.filter_max_rounds >= 1 (is {p.filter_max_rounds})")
-    if p.scale_rewards != "group" and p.advantage != "grpo":
-        problems.append(f"ppo.scale_rewards={p.scale_rewards} scales grpo's advantages; ppo.advantage={p.advantage} "
-                        "has none to scale: leave ppo.scale_rewards=group")
     problems += _batch_problems(p, t, dp)
+    problems += _engine_problems(p)
     problems += _value_problems(p, rollout, kl)
     if rollout.max_new_tokens >= d.max_seq_len:
         problems.append(f"ppo.rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
@@ -77,6 +75,26 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if t.grad_accum_steps != 1:
         problems.append(f"stage {stage}: a mini-batch is one optimizer step (ppo.mini_batch_size sequences, global); "
                         f"trainer.grad_accum_steps={t.grad_accum_steps} must be 1")
+    return problems
+
+
+def _advantage_problems(p: Any, stage: str) -> list[str]:
+    """What ppo.advantage's estimator needs: no critic under stage=grpo, groups, its scale or its whitening."""
+    problems, n = [], p.rollout.n_samples_per_prompt
+    if stage == "grpo" and needs_critic.get(p.advantage, False):
+        critic_free = ", ".join(name for name, critic in needs_critic.items() if not critic)
+        problems.append(f"stage=grpo trains no critic: ppo.advantage={p.advantage!r} must be one of {critic_free} "
+                        "(or use stage=ppo for gae with a critic)")
+    if needs_groups.get(p.advantage) and n < 2:
+        problems.append(f"ppo.advantage={p.advantage} compares the samples of a prompt: "
+                        f"ppo.rollout.n_samples_per_prompt={n} must be >= 2")
+    if p.scale_rewards != "group" and p.advantage != "grpo":
+        problems.append(f"ppo.scale_rewards={p.scale_rewards} scales grpo's advantages; ppo.advantage={p.advantage} "
+                        "has none to scale: leave ppo.scale_rewards=group")
+    if needs_whitening.get(p.advantage) and not p.whiten_advantages:
+        problems.append(f"ppo.advantage={p.advantage} (REINFORCE++) is normalised only by whitening its advantages "
+                        "over the global batch, as OpenRLHF and verl do; ppo.whiten_advantages=false (stage=grpo's "
+                        "preset) would train on the raw returns: set ppo.whiten_advantages=true")
     return problems
 
 
@@ -161,4 +179,46 @@ def _value_problems(p: Any, rollout: Any, kl: Any) -> list[str]:
         lr = getattr(p, role).lr
         if lr is not None and not lr > 0:
             problems.append(f"ppo.{role}.lr={lr} must be > 0 (or null: optim.lr)")
+    return problems
+
+
+OLD_LOGPROBS = ("trainer", "engine")
+
+
+def _engine_problems(p: Any) -> list[str]:
+    """ppo.rollout.engine, its vllm node, ppo.old_logprobs and ppo.importance_sampling."""
+    from llmtrain.losses.importance import IMPORTANCE_SAMPLING_MODES
+    from llmtrain.stages.ppo.engines import ROLLOUT_ENGINES
+
+    rollout, v, sampling = p.rollout, p.rollout.vllm, p.importance_sampling
+    problems = [f"{name}={value!r} is not one of {', '.join(allowed)}" for name, value, allowed in (
+        ("ppo.rollout.engine", rollout.engine, ROLLOUT_ENGINES), ("ppo.old_logprobs", p.old_logprobs, OLD_LOGPROBS),
+        ("ppo.importance_sampling.mode", sampling.mode, ("auto", "none", *IMPORTANCE_SAMPLING_MODES)))
+        if value not in allowed]
+    if sampling.clip_max is not None and sampling.clip_min is not None and not sampling.clip_min < sampling.clip_max:
+        problems.append(f"ppo.importance_sampling.clip_min={sampling.clip_min} must be below clip_max="
+                        f"{sampling.clip_max}")
+    if sampling.off_policy_mask_threshold is not None:
+        problems.append("ppo.importance_sampling.off_policy_mask_threshold is not supported yet (it needs each "
+                        "sequence's KL inside the fused head's chunks): leave it null")
+    if p.old_logprobs == "engine" and sampling.mode not in ("auto", "none"):
+        problems.append(f"ppo.importance_sampling.mode={sampling.mode} weighs π_old / π_engine, which is 1 with "
+                        "ppo.old_logprobs=engine: set ppo.importance_sampling.mode=none, or ppo.old_logprobs=trainer")
+    if rollout.engine != "vllm":
+        if v.urls or v.python:
+            problems.append(f"ppo.rollout.vllm.urls / python are set but ppo.rollout.engine={rollout.engine}: set "
+                            "ppo.rollout.engine=vllm to sample with them, or drop them")
+        return problems
+    if bool(v.urls) == (v.python is not None):
+        problems.append("ppo.rollout.engine=vllm needs exactly one of ppo.rollout.vllm.urls=[http://host:port, ...] "
+                        "(servers you run) or ppo.rollout.vllm.python=PATH (the engine environment's interpreter, "
+                        "built by `bash launch/vllm_env.sh`: llmtrain starts the server)")
+    problems += [f"ppo.rollout.vllm.urls: {url!r} must start with http:// or https://" for url in v.urls
+                 if not str(url).startswith(("http://", "https://"))]
+    if not rollout.use_cache or rollout.generation_batch_size:
+        problems.append("ppo.rollout.use_cache=false and ppo.rollout.generation_batch_size apply to the hf engine; "
+                        "vLLM schedules its own batches with its paged KV cache: leave them at true and 0")
+    if not 0 < v.gpu_memory_utilization <= 1 or v.kv_cache_gib <= 0 or v.sync_tolerance < 0:
+        problems.append(f"ppo.rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1], "
+                        f"kv_cache_gib={v.kv_cache_gib} > 0 and sync_tolerance={v.sync_tolerance} >= 0")
     return problems

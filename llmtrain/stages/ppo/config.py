@@ -33,7 +33,39 @@ class PPORewardConfig:
 
 
 @dataclass
+class PPOVLLMConfig:
+    """ppo.rollout.engine=vllm: a vLLM server in its own environment, reached over HTTP on its token-in, token-out
+    endpoint. `urls` (servers the user runs; the ranks split their prompts over them) or `python` (the engine
+    environment's interpreter: llmtrain starts one server on 127.0.0.1 and stops it at the end and on every failure)."""
+    urls: List[str] = field(default_factory=list)
+    python: Optional[str] = None  # e.g. .cache/vllm-env/bin/python (launch/vllm_env.sh builds it)
+    args: List[str] = field(default_factory=list)  # passed through to the server (--tensor-parallel-size 2, ...)
+    sleep: bool = False  # colocated on the training GPUs: /sleep while the trainer updates, /wake_up to sample
+    kv_cache_gib: int = 1  # CPU engine: VLLM_CPU_KVCACHE_SPACE in GiB (vLLM's default takes most of the machine)
+    gpu_memory_utilization: float = 0.9  # GPU engine: the share of each engine GPU vLLM takes (weights + KV cache)
+    start_timeout_s: float = 600.0  # a started server must answer /health within this
+    request_timeout_s: float = 600.0  # one generate or sync request
+    sync_tolerance: float = 1e-3  # the probe's max |log p engine - log p trainer| after a sync; past it the run stops
+    sync_dir: Optional[str] = None  # where a sync writes the weights; null: /dev/shm when writable, else the run dir
+
+
+@dataclass
+class PPOImportanceSamplingConfig:
+    """The train-inference mismatch correction (TRL 1.16's vllm_importance_sampling_*; verl's TIS): the update's
+    per-token loss weighted by π_old / π_engine (token or sequence level), truncated at `clip_max` or masked outside
+    [clip_min, clip_max]."""
+    mode: str = "auto"  # auto (sequence_mask with engine=vllm, none with hf) | none | token_truncate | token_mask |
+    #                     sequence_truncate | sequence_mask
+    clip_max: Optional[float] = 3.0  # C_max (TRL's vllm_importance_sampling_clip_max)
+    clip_min: Optional[float] = None  # C_min (TRL's vllm_importance_sampling_clip_min)
+    off_policy_mask_threshold: Optional[float] = None  # TRL's: sequences whose mean KL(old || engine) exceeds it and
+    #                                                    whose advantage is negative train nothing
+
+
+@dataclass
 class PPORolloutConfig:
+    engine: str = "hf"  # hf: the training model's own forward (a lean sampling loop) | vllm: ppo.rollout.vllm
+    vllm: PPOVLLMConfig = field(default_factory=PPOVLLMConfig)
     prompts_per_step: int = 16  # global, per iteration (trainer.max_steps counts iterations)
     n_samples_per_prompt: int = 1  # GRPO: the group size (>= 2)
     max_new_tokens: int = 32
@@ -74,9 +106,14 @@ class PPOConfig:
     # groups of the next prompts, generating at most `filter_max_rounds` batches of prompts per iteration
     filter_groups: bool = False
     filter_max_rounds: int = 3
-    advantage: str = "gae"  # gae (critic) | grpo | rloo | reinforce_pp | reinforce_pp_baseline (no critic)
+    # gae (critic) | grpo | rloo | reinforce_pp | reinforce_pp_baseline (OpenRLHF's) | reinforce_pp_baseline_verl
+    # (verl's) (no critic); the reinforce_pp ones need whiten_advantages=true (REINFORCE++ is normalised by it)
+    advantage: str = "gae"
     scale_rewards: str = "group"  # grpo: divide by the group's std | batch: the batch's | none (Dr. GRPO)
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum | dr_grpo (TRL's: Σ / (B·max_new_tokens)) |
+    # seq_mean_token_sum_norm (verl's: Σ / max_new_tokens); null: seq_mean_token_mean with ratio=sequence (GSPO), else
+    # token_mean (losses/ppo.aggregation_weights has the formulas)
+    loss_agg: Optional[str] = None
     ratio: str = "token"  # token | sequence (GSPO: the sequence's mean log-ratio)
     # padding-free experience and update forwards (OpenRLHF's packing_samples): each micro-batch's sequences, prompt
     # and response without padding, in one row with per-sample attention; generation is unchanged
@@ -92,3 +129,6 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
+    # the old log-probs of the ratio: trainer (the actor's forward before the update) | engine (the sampler's own)
+    old_logprobs: str = "trainer"
+    importance_sampling: PPOImportanceSamplingConfig = field(default_factory=PPOImportanceSamplingConfig)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, token_rewards, whiten
+from llmtrain.losses.importance import importance_weights
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.models.heads import captured_token_scores
 from llmtrain.parallel import all_gather_rows, all_reduce_sum
@@ -35,9 +36,17 @@ class Experience:
     token_rewards: torch.Tensor  # (B, A) fp32: −β·KL_t, plus the score at the last action token
     advantages: torch.Tensor  # (B, A) fp32 (whitened when asked)
     returns: torch.Tensor  # (B, A) fp32: advantages + values before whitening (zeros without a critic)
-    scores: torch.Tensor  # (B,) fp32: the shaped score of each sequence
-    kl: torch.Tensor  # (B, A) fp32: the per-token KL estimate in the reward (0 off the mask)
+    scores: torch.Tensor  # (B,) fp32: the shaped score of each sequence; NaN: no reward function scored it
+    kl: torch.Tensor  # (B, A) fp32: the per-token KL estimate of the rollout (0 off the sampled action tokens)
     ended: torch.Tensor  # (B,) bool: the response ends in a stop token (False: cut at max_new_tokens)
+    engine_logps: torch.Tensor | None = None  # (B, A) fp32: each action's log-prob as the engine sampled it (None: 0)
+    is_weights: torch.Tensor | None = None  # (B, A) fp32: π_old / π_engine (ppo.importance_sampling; None: 1)
+
+    def __post_init__(self):
+        if self.engine_logps is None:
+            self.engine_logps = torch.zeros_like(self.old_logps)
+        if self.is_weights is None:
+            self.is_weights = torch.ones_like(self.old_logps)
 
     @classmethod
     def of_rollout(cls, rollout: Rollout, scores: torch.Tensor) -> Experience:
@@ -47,11 +56,19 @@ class Experience:
 
         return cls(sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
                    old_logps=zeros(), ref_logps=zeros(), values=zeros(), token_rewards=zeros(), advantages=zeros(),
-                   returns=zeros(), scores=scores.float(), kl=zeros(), ended=rollout.ended)
+                   returns=zeros(), scores=scores.float(), kl=zeros(), ended=rollout.ended,
+                   engine_logps=zeros() if rollout.engine_logps is None else rollout.engine_logps.float(),
+                   is_weights=torch.ones(rollout.action_mask.shape, device=rollout.sequences.device))
 
     @property
     def num_actions(self) -> int:
         return self.action_mask.shape[1]
+
+    @property
+    def sampled_mask(self) -> torch.Tensor:
+        """(B, A) bool: the action tokens as sampled, before ppo.mask_truncated took a cut response's away (the
+        attention mask keeps them: 1 on prompt and action tokens)."""
+        return self.attention_mask[:, -self.num_actions:].bool()
 
     def select(self, index: torch.Tensor) -> Experience:
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
@@ -108,6 +125,10 @@ class ExperienceSettings:
     # One optimizer step per rollout and no KL in the reward (GRPO's usual setting, TRL's default): the update's
     # own forward gives the old log-probs (ratio 1 by construction), so the experience skips the actor's forward.
     old_logps_from_update: bool = False
+    # ppo.old_logprobs=engine: the ratio's old log-probs are the engine's own (no actor forward here)
+    old_logps_from_engine: bool = False
+    # ppo.importance_sampling, resolved: (mode, clip_max, clip_min) of losses/importance.py, or None (weights 1)
+    importance: tuple | None = None
     # ppo.packing: the attention that packs each micro-batch into one row (stages/ppo/packed.py); None: padded rows.
     # The update reads the same setting, so its first forward sees the experience's layout (first ratio exactly 1)
     packed_attention: str | None = None
@@ -145,7 +166,7 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
     for rows in micro_batches:
         mb = exp.select(rows).trimmed()
         width, inputs = mb.num_actions, forward_rows(mb, settings.packed_attention)  # packed once for every role
-        if not settings.old_logps_from_update:
+        if not (settings.old_logps_from_update or settings.old_logps_from_engine):
             old[rows, :width] = policy_logps(engines["actor"], mb, settings.temperature, inputs)
         if "reference" in engines:  # none when β = 0: the KL is then 0
             ref[rows, :width] = policy_logps(engines["reference"], mb, settings.temperature, inputs)
@@ -155,26 +176,38 @@ def make_experience(exp: Experience, engines: dict, micro_batches: list[torch.Te
                 values[rows, :width] = values_of(critic.module, critic.model, mb, inputs)
     old, ref, values = all_reduce_sum(torch.stack([old, ref, values]), group).unbind()  # each row from one rank
     mask = exp.action_mask
+    if settings.old_logps_from_engine:
+        old = exp.engine_logps.clone()
+    is_weights = exp.is_weights
+    if settings.importance is not None:
+        mode, clip_max, clip_min = settings.importance
+        is_weights = importance_weights(old, exp.engine_logps, mask, mode, clip_max, clip_min)
     kl = KL_ESTIMATORS[settings.kl_estimator](old, ref) * mask  # (B, A)
     if settings.old_logps_from_update or "reference" not in engines:
         kl = torch.zeros_like(kl)  # not in the reward; the update logs it from its own forward
-    rewards = token_rewards(kl, exp.scores, mask, kl_coef if settings.kl_in_reward else 0.0)
+    scored = ~exp.scores.isnan()  # (B,): NaN is an unscored row (rewards.combined_scores); here it becomes 0 + a flag
+    scores = torch.where(scored, exp.scores, 0.0)
+    rewards = token_rewards(kl, scores, mask, kl_coef if settings.kl_in_reward else 0.0)
     advantages, returns = ADVANTAGE_ESTIMATORS[settings.advantage](AdvantageInputs(
-        token_rewards=rewards, values=values if "critic" in engines else None, mask=mask, scores=exp.scores,
-        group_size=settings.group_size, gamma=settings.gamma, lam=settings.lam, scale_rewards=settings.scale_rewards))
+        token_rewards=rewards, values=values if "critic" in engines else None, mask=mask, scores=scores,
+        group_size=settings.group_size, gamma=settings.gamma, lam=settings.lam, scale_rewards=settings.scale_rewards,
+        scored=scored))
+    trained = mask & scored.unsqueeze(1)  # an unscored row learns nothing from its advantage (TRL: 0)
     if settings.whiten_advantages:
-        advantages = whiten(advantages, mask, reduce=False)  # the batch is global on every rank
+        advantages = whiten(advantages, trained, reduce=False)  # over the scored rows of the global batch, every rank
+    advantages = torch.where(trained, advantages, 0.0)
     made = Experience(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=mask, old_logps=old,
                       ref_logps=ref, values=values, token_rewards=rewards, advantages=advantages,
                       returns=torch.zeros_like(old) if returns is None else returns, scores=exp.scores, kl=kl,
-                      ended=exp.ended)
+                      ended=exp.ended, engine_logps=exp.engine_logps, is_weights=is_weights)
     return without_truncated(made) if settings.mask_truncated else made
 
 
 def without_truncated(exp: Experience) -> Experience:
     """TRL's mask_truncated_completions: a response cut at max_new_tokens gets no action token (no policy, value or
-    KL loss); its score already counted in its group's statistics and the whitening."""
+    KL loss); its score already counted in its group's statistics and the whitening. What describes the rollout as
+    sampled stays: the attention mask (`sampled_mask`) and the KL estimate, which the logged metrics read."""
     mask = exp.action_mask & exp.ended.unsqueeze(1)  # (B, A)
     kept = {name: torch.where(mask, getattr(exp, name), 0.0) for name in
-            ("old_logps", "ref_logps", "values", "token_rewards", "advantages", "returns", "kl")}
+            ("old_logps", "ref_logps", "values", "token_rewards", "advantages", "returns")}
     return replace(exp, action_mask=mask, **kept)

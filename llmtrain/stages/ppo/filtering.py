@@ -21,9 +21,12 @@ from llmtrain.stages.ppo.experience import Experience
 
 
 def varied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """scores (N,), N = G·n, a group's n samples consecutive -> (G,) bool: its scores are not all equal."""
+    """scores (N,), N = G·n, a group's n samples consecutive -> (G,) bool: its scores are not all equal. NaN (an
+    unscored row, advantage 0) is left out: only two scored rows that differ make a group varied."""
     grouped = scores.view(-1, group_size)  # (G, n)
-    return grouped.amax(-1) > grouped.amin(-1)
+    unscored = grouped.isnan()
+    highest = grouped.masked_fill(unscored, -torch.inf).amax(-1)
+    return highest > grouped.masked_fill(unscored, torch.inf).amin(-1)
 
 
 def chosen_groups(varied: torch.Tensor, target: int) -> tuple[torch.Tensor, int]:

@@ -5,7 +5,8 @@ A reward function is `score(prompts: list, responses: list[str], **columns) -> l
 (not including) the stop token; the dataset's other columns are passed as keyword lists when the function takes
 them (by name, or all of them through **kwargs), as TRL and verl do. Functions written for TRL (`completions`,
 `**kwargs`) run unchanged: called by keyword with TRL's `completions` (conversational for chat prompts),
-`completion_ids` and `trainer_state`. Several functions are summed with weights; a None score is skipped.
+`completion_ids` and `trainer_state`. Several functions are summed with weights; a None score is skipped, and a
+response no function scores gets NaN: unscored, out of its group's statistics with advantage 0 (TRL's rule).
 Scores are then clipped (`clip`), normalised with the reward model's exported mean/std (`normalize`),
 and a response cut at max_new_tokens gets `missing_eos_penalty` added.
 """
@@ -106,21 +107,24 @@ def call_reward_function(function: Callable, prompts: list, responses: list[str]
 
 def combined_scores(functions: list[RewardFunction], completions: Completions,
                     group=None) -> tuple[list[float], dict[str, float]]:
-    """Σ_f weight_f · score_f per response, a function's missing scores (None) skipped as TRL does; (scores, each
-    function's mean over the responses it scored on every data-parallel rank, keyed by its name).
+    """Σ_f weight_f · score_f per response, a function's missing scores (None) skipped as TRL does (nansum), NaN for
+    a response no function scored (TRL's unscorable completion: make_experience leaves it out of its group's
+    statistics and gives it advantage 0); (scores, each function's mean over the responses it scored on every
+    data-parallel rank, keyed by its name).
 
     Collective: every rank of `group` (the actor's dp group; None: every rank) calls it at the same point, and one
     all-reduce of each function's (sum, count) gives every rank the global mean, as `stages.base.reduce_sums` does
     for the step's other means. A function that scored none of this rank's responses is fine; one that scored none
     of the step's (every score None or NaN on every rank) is an error on every rank (no rank is left waiting)."""
-    totals = [0.0] * len(completions.texts)
+    totals = [math.nan] * len(completions.texts)  # NaN until a function scores the response
     sums = []  # per function: (Σ scores, count) of the responses it scored on this rank
     for reward in functions:
         scores = call_reward_function(reward.function, completions.prompts, completions.texts, completions.columns,
                                       completions)
         present = [s for s in scores if s is not None]
         sums += [math.fsum(present), len(present)]
-        totals = [t + reward.weight * s if s is not None else t for t, s in zip(totals, scores)]
+        totals = [t if s is None else reward.weight * s + (0.0 if math.isnan(t) else t)
+                  for t, s in zip(totals, scores)]
     reduced = all_reduce_sum(torch.tensor(sums, dtype=torch.float64), group).tolist() if functions else []
     means = {}
     for reward, total, count in zip(functions, reduced[0::2], reduced[1::2]):

@@ -12,7 +12,6 @@ left-padded prompt is seen exactly as the unpadded one.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +49,10 @@ class Rollout:
     columns: dict[str, list]  # the prompt rows' other columns, repeated likewise
     real: torch.Tensor  # (B,) bool: False for eval filler rows
     gather_s: float = 0.0  # seconds to make the actor whole for generation (ZeRO-3 gather, FSDP2 unshard)
+    # (B, A) fp32: each action's log-prob as the sampler drew it (after temperature / top-k / top-p; 0 off the mask):
+    # the behaviour policy's, which the train-inference mismatch compares with the trainer's
+    engine_logps: torch.Tensor | None = None
+    weight_version: str | None = None  # the engine's weights that sampled every token (engine=vllm)
 
     @property
     def num_actions(self) -> int:
@@ -119,18 +122,32 @@ def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int,
     return F.pad(ids, (extra, 0), value=pad_token_id), F.pad(mask, (extra, 0), value=0)
 
 
-def drawer(model, settings: SamplingSettings, pad_token_id: int,
-           eos_ids: list[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(b, P) prompts, mask -> (b, P + a): the lean loop (sampler.py) where it draws what `generate` would, else
-    `generate` with one neutral config for every call (run it inside neutral_generation_config)."""
+Drawer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def drawer(model, settings: SamplingSettings, pad_token_id: int, eos_ids: list[int]) -> Drawer:
+    """(b, P) prompts, mask -> ((b, P + a) tokens, (b, a) fp32 log-prob of each drawn token as sampled): the lean
+    loop (sampler.py) where it draws what `generate` would, else `generate` with one neutral config for every call
+    (run it inside neutral_generation_config), its processed scores giving the log-probs."""
     sampled = sampler.sampled_module(model, settings.use_cache)
     if sampled is not None:
-        return functools.partial(sampler.sample, sampled, max_new_tokens=settings.max_new_tokens,
+        def lean(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logps = []
+            out = sampler.sample(sampled, ids, mask, max_new_tokens=settings.max_new_tokens,
                                  temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                                 pad_token_id=pad_token_id, eos_ids=eos_ids)
+                                 pad_token_id=pad_token_id, eos_ids=eos_ids, logps=logps)
+            return out, logps[0]
+        return lean
     config = generation_config(settings, pad_token_id, eos_ids)  # generate copies it: one serves every call
-    return lambda ids, mask: model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
-                                            generation_config=config)
+
+    def generated(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False, generation_config=config,
+                             output_scores=True, return_dict_in_generate=True)
+        drawn = out.sequences[:, ids.shape[1]:]  # (b, a)
+        scores = torch.stack(out.scores, dim=1).float()  # (b, a, V): after the warpers, as drawn
+        return out.sequences, torch.log_softmax(scores, dim=-1).gather(2, drawn[..., None]).squeeze(2)
+
+    return generated
 
 
 def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int, eos_ids: list[int],
@@ -140,9 +157,8 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
     The sampling RNG is seeded from `seed` (the caller derives it from the run seed, the step and the dp
     rank): a rollout does not depend on what drew from the global RNG before, so resume replays it."""
     n = settings.n_samples_per_prompt
-    ids, mask = batch.input_ids.repeat_interleave(n, 0), batch.attention_mask.repeat_interleave(n, 0)  # (B, P)
-    width = int(all_reduce_max(torch.tensor([ids.shape[1]], device=ids.device), group).item())
-    ids, mask = _left_pad(ids, mask, width, pad_token_id)
+    ids, mask = padded_prompts(batch, n, pad_token_id, group)
+    width = ids.shape[1]
     devices = [ids.device] if ids.device.type == "cuda" else []
     start = time.perf_counter()
     with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
@@ -151,20 +167,35 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
         with actor.autocast(), neutral_generation_config(model):
             draw, size = drawer(model, settings, pad_token_id, eos_ids), settings.batch_size or ids.shape[0]
             outs = [draw(ids[i:i + size], mask[i:i + size]) for i in range(0, ids.shape[0], size)]
-    longest = max(out.shape[1] for out in outs)  # a shorter call's rows all ended: pad after their EOS
-    out = torch.cat([F.pad(out, (0, longest - out.shape[1]), value=pad_token_id) for out in outs])
-    responses = out[:, width:]  # (B, a): this rank's longest response sets a
+    longest = max(out.shape[1] for out, _ in outs)  # a shorter call's rows all ended: pad after their EOS
+    out = torch.cat([F.pad(out, (0, longest - out.shape[1]), value=pad_token_id) for out, _ in outs])
+    logps = torch.cat([F.pad(lp, (0, longest - width - lp.shape[1])) for _, lp in outs])  # (B, a)
+    return laid_out(ids, mask, out[:, width:], logps, batch, n, eos_ids, pad_token_id, group, gather_s=gather_s)
+
+
+def laid_out(ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor, logps: torch.Tensor, batch: PromptBatch,
+             n: int, eos_ids: list[int], pad_token_id: int, group, **extra) -> Rollout:
+    """The rollout from (B, P) left-padded prompts and (B, a) drawn responses with their (B, a) log-probs: responses
+    cut after the first EOS and right-padded to the longest on any rank (every engine lays rollouts out so)."""
     eos = torch.tensor(eos_ids, device=responses.device)
     action_mask = up_to_first_eos(responses, eos)
     ended = (torch.isin(responses, eos) & action_mask).any(-1)
     num_actions = int(all_reduce_max(torch.tensor([max(responses.shape[1], 1)], device=ids.device), group).item())
-    extra = num_actions - responses.shape[1]
-    responses = F.pad(responses.masked_fill(~action_mask, pad_token_id), (0, extra), value=pad_token_id)
-    action_mask = F.pad(action_mask, (0, extra), value=False)
+    extra_columns = num_actions - responses.shape[1]
+    responses = F.pad(responses.masked_fill(~action_mask, pad_token_id), (0, extra_columns), value=pad_token_id)
+    logps = F.pad(logps.float().masked_fill(~action_mask, 0.0), (0, extra_columns))
+    action_mask = F.pad(action_mask, (0, extra_columns), value=False)
     return Rollout(sequences=torch.cat([ids, responses], 1), attention_mask=torch.cat([mask, action_mask.long()], 1),
                    action_mask=action_mask, ended=ended, prompts=_repeat(batch.prompts, n),
                    columns={k: _repeat(v, n) for k, v in batch.columns.items()},
-                   real=batch.real.repeat_interleave(n, 0), gather_s=gather_s)
+                   real=batch.real.repeat_interleave(n, 0), engine_logps=logps, **extra)
+
+
+def padded_prompts(batch: PromptBatch, n: int, pad_token_id: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt repeated n times (a group's samples consecutive), left-padded to the widest on any rank."""
+    ids, mask = batch.input_ids.repeat_interleave(n, 0), batch.attention_mask.repeat_interleave(n, 0)  # (B, P)
+    width = int(all_reduce_max(torch.tensor([ids.shape[1]], device=ids.device), group).item())
+    return _left_pad(ids, mask, width, pad_token_id)
 
 
 def decode_responses(tokenizer, rollout: Rollout, eos_ids: list[int]) -> list[str]:

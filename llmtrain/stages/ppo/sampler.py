@@ -64,20 +64,29 @@ def warpers(temperature: float, top_k: int, top_p: float) -> list:
     return out
 
 
-def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: list, sample: bool) -> torch.Tensor:
-    """(B, V) float32 logits of the last position -> (B,) drawn tokens."""
+def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: list, sample: bool,
+                logps: list | None = None) -> torch.Tensor:
+    """(B, V) float32 logits of the last position -> (B,) drawn tokens; with `logps`, appends (B,) the log-prob of
+    each drawn token under the distribution it was drawn from (after temperature, top-k, top-p: vLLM's
+    processed_logprobs)."""
     for processor in processors:
         logits = processor(input_ids, logits)
     if sample:
-        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
-    return torch.argmax(logits, dim=-1)
+        tokens = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(logits, dim=-1)
+    if logps is not None:
+        logps.append(torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1))
+    return tokens
 
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
-           top_k: int, top_p: float, pad_token_id: int, eos_ids: list[int]) -> torch.Tensor:
+           top_k: int, top_p: float, pad_token_id: int, eos_ids: list[int],
+           logps: list | None = None) -> torch.Tensor:
     """(B, P) left-padded prompts -> (B, P + a) with a <= max_new_tokens: what `generate` returns for the same
-    sampling settings and RNG state (temperature 0: greedy)."""
+    sampling settings and RNG state (temperature 0: greedy). logps: a list that receives (B, a) fp32, each drawn
+    token's log-prob as sampled (the behaviour policy's), without changing what is drawn."""
     sample_ = temperature > 0
     processors = warpers(temperature, top_k, top_p) if sample_ else []
     eos = torch.tensor(eos_ids, device=input_ids.device)
@@ -85,11 +94,12 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
     step_ids = input_ids
+    drawn_logps = [] if logps is not None else None
     for _ in range(max_new_tokens):
         logits = model(input_ids=step_ids, cache=cache, position_ids=position_ids, attention_mask=attention_mask,
                        logits_to_keep=1, use_cache=True, return_dict=True).logits
         logits = logits[:, -1].to(copy=True, dtype=torch.float32)  # (B, V)
-        tokens = next_tokens(logits, input_ids, processors, sample_)  # (B,)
+        tokens = next_tokens(logits, input_ids, processors, sample_, drawn_logps)  # (B,)
         tokens = torch.where(unfinished, tokens, pad_token_id)
         input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
         unfinished &= ~torch.isin(tokens, eos)
@@ -98,4 +108,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_
         step_ids = tokens[:, None]  # (B, 1)
         position_ids = position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
+    if logps is not None:
+        logps.append(torch.stack(drawn_logps, dim=1) if drawn_logps else input_ids.new_zeros((input_ids.shape[0], 0),
+                                                                                             dtype=torch.float32))
     return input_ids

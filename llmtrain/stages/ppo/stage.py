@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
+from llmtrain.losses.importance import importance_weight_metrics, mismatch_metrics
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (
     aggregation_weights,
@@ -27,9 +28,10 @@ from llmtrain.losses.ppo import (
     value_loss_terms,
 )
 from llmtrain.models.moe import captured_router_logits, router_of, router_terms
-from llmtrain.parallel import all_gather_rows, all_reduce_max
+from llmtrain.parallel import all_gather_rows, all_reduce_max, all_reduce_sum
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.head import action_answer, flat_actions, routed_update, with_router
+from llmtrain.stages.ppo.engines import HFEngine
 from llmtrain.stages.ppo.experience import (
     Experience,
     ExperienceSettings,
@@ -48,7 +50,7 @@ from llmtrain.stages.ppo.rewards import (
     reward_model_scores,
     score_metrics,
 )
-from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses, generate
+from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses
 
 POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss", "tokens")
 VALUE_STATS = ("value_clipped",)
@@ -68,8 +70,8 @@ class UpdateSettings:
     clip_eps_high: float | None = None  # DAPO's clip-higher; None: clip_eps
     clip_ratio_c: float | None = None  # dual-clip; None: off
     ratio_level: str = "token"  # token | sequence (GSPO)
-    loss_agg: str = "token_mean"  # losses/ppo.LOSS_AGGREGATIONS
-    max_new_tokens: int = 1  # seq_mean_token_sum_norm's constant
+    loss_agg: str = "token_mean"  # losses/ppo.LOSS_AGGREGATIONS, resolved (resolve_loss_agg: null follows the ratio)
+    max_new_tokens: int = 1  # dr_grpo's and seq_mean_token_sum_norm's constant L
 
 
 def add_share(sums: dict, metrics: dict, prefix: str, updates: int) -> None:
@@ -87,7 +89,7 @@ class PPOStage(Stage):
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
                  reward_functions: list[RewardFunction] | None = None, prompts_per_step: int, seed: int,
                  stop_ids: list[int], attention: str = "sdpa", reward_model_weight: float = 1.0,
-                 critic_warmup_steps: int = 0, filter_max_rounds: int = 0):
+                 critic_warmup_steps: int = 0, filter_max_rounds: int = 0, rollout_engine=None):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
         self.kl_controller, self.shaping, self.reward_functions = kl_controller, shaping, reward_functions or []
@@ -101,6 +103,19 @@ class PPOStage(Stage):
         self.kl_loss_coef = 0.0  # this iteration's β of the KL loss term (the controller's value; 0: KL in reward)
         self.filter_max_rounds = filter_max_rounds  # ppo.filter_groups: prompt batches per iteration at most; 0: off
         self.extra_prompt_batches = 0  # drawn by dynamic sampling so far, beyond one per iteration (data position)
+        self.rollout_engine = rollout_engine or HFEngine()  # ppo.rollout.engine: who samples (stages/ppo/engines)
+
+    # ---- the rollout engine ----------------------------------------------------------------------
+    def prepare(self, engines: dict, data, prepare_batch) -> dict:
+        self.rollout_engine.start(engines["actor"])
+        return engines
+
+    def close(self) -> None:
+        self.rollout_engine.close()
+
+    def _synced(self, actor, updates: int) -> dict:
+        """The engine holds the policy after `updates` updates (a collective; nothing to do for hf or when it does)."""
+        return self.rollout_engine.sync(actor, f"policy-{updates}")
 
     # ---- data layout -----------------------------------------------------------------------------
     def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
@@ -121,7 +136,7 @@ class PPOStage(Stage):
     def raw_scores(self, rollout: Rollout, engines: dict) -> tuple[torch.Tensor, dict]:
         """(b,) scores: the reward functions' weighted sum, plus ppo.reward.model_weight × the reward model's score
         when both are set; and each source's mean over every dp rank (`score_fn_<name>`, `score_rm` beside
-        functions)."""
+        functions). NaN: no function scored the row, and no reward model did (make_experience: unscored)."""
         parts, metrics = [], {}
         if self.reward_functions:
             scores, means = combined_scores(self.reward_functions, self.completions(rollout),
@@ -138,7 +153,8 @@ class PPOStage(Stage):
                 metrics["score_rm"] = total / max(count, 1.0)
                 model_scores = self.reward_model_weight * model_scores
             parts.append(model_scores)
-        return (parts[0] if len(parts) == 1 else parts[0] + parts[1]), metrics
+        # beside a reward model, which scores every row, an unscored row is the model's score alone (TRL's nansum)
+        return (parts[0] if len(parts) == 1 else torch.nansum(torch.stack(parts), dim=0)), metrics
 
     def completions(self, rollout: Rollout) -> Completions:
         from transformers import TrainerState
@@ -153,7 +169,10 @@ class PPOStage(Stage):
         actor = engines["actor"]
         self.iteration = updater.step
         start = time.perf_counter()
+        synced = self._synced(actor, self.iteration - 1)  # the weights before this iteration's update
         gathered, raw, metrics, times = self._sample(micro_batches[0], engines)
+        self.rollout_engine.after_rollout()  # colocated: the engine frees its memory for the update
+        metrics.update(synced)
         layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
         self.kl_loss_coef = kl_coef if self.update.kl_in_loss else 0.0
@@ -161,6 +180,11 @@ class PPOStage(Stage):
         experience = make_experience(gathered, engines, first_epoch, kl_coef, self.experience, group=actor.dp_group)
         made = time.perf_counter()
         metrics.update(self._rollout_metrics(experience, raw, kl_coef))
+        if self._mismatch_in_experience:  # the trainer's old log-probs against the engine's, the global batch
+            metrics.update(self._mismatch(experience.old_logps, experience.engine_logps, experience.action_mask))
+            if self.experience.importance is not None:
+                metrics.update(importance_weight_metrics(experience.is_weights, experience.action_mask,
+                                                         self.experience.importance[0]))
         metrics.update(self._update(experience, engines, updater, layouts))
         # after the update: on-policy GRPO measures the KL in the update's own forward
         self.kl_controller.update(metrics["kl"], experience.sequences.shape[0])
@@ -181,9 +205,10 @@ class PPOStage(Stage):
                 batch = self.fetch_more()
                 self.extra_prompt_batches += 1
             began = time.perf_counter()
-            rollout = generate(actor, batch, self.sampling, pad_token_id=self.tokenizer.pad_token_id,
-                               eos_ids=self.eos_ids, seed=self._seed("rollout", actor.dp_rank, round_index),
-                               group=actor.dp_group)
+            rollout = self.rollout_engine.generate(actor, batch, self.sampling,
+                                                   pad_token_id=self.tokenizer.pad_token_id, eos_ids=self.eos_ids,
+                                                   seed=self._seed("rollout", actor.dp_rank, round_index),
+                                                   group=actor.dp_group)
             times["generate"] += time.perf_counter() - began
             times["gather"] += rollout.gather_s
             raw, function_means = self.raw_scores(rollout, engines)
@@ -220,21 +245,47 @@ class PPOStage(Stage):
                 for _ in range(self.update.epochs)]
 
     def _rollout_metrics(self, exp: Experience, raw: torch.Tensor, kl_coef: float) -> dict:
-        """exp and raw (N,): the global batch, the same on every rank."""
-        mask = exp.action_mask.float()
+        """exp and raw (N,): the global batch, the same on every rank. The rollout as sampled: a response
+        ppo.mask_truncated cut out of the loss still counts with its tokens and KL (the adaptive KL controller reads
+        `kl`); scores as TRL logs them, unscored (NaN) rows left out."""
+        mask = exp.sampled_mask.float()
         lengths = mask.sum(-1)  # (N,)
         kl_seq = (exp.kl * mask).sum(-1)  # (N,)
-        return {"score": raw.double().mean().item(), "score_std": raw.double().std(correction=0).item(),
-                "reward": (exp.scores - (0.0 if self.update.kl_in_loss else kl_coef) * kl_seq).mean().item(),
-                "kl": kl_seq.mean().item(),
+        scored = raw.double()[~raw.isnan()]  # (n,)
+        rewards = exp.scores - (0.0 if self.update.kl_in_loss else kl_coef) * kl_seq  # (N,), NaN where unscored
+        return {"score": scored.mean().item(), "score_std": scored.std(correction=0).item(),
+                "reward": rewards.nanmean().item(), "kl": kl_seq.mean().item(),
                 "kl_token": (kl_seq.sum() / lengths.sum().clamp(min=1)).item(), "kl_coef": kl_coef,
                 "response_len": lengths.mean().item(),
-                "eos_rate": (exp.action_mask.any(-1) & self._ended(exp)).float().mean().item()}
+                "eos_rate": (exp.sampled_mask.any(-1) & self._ended(exp)).float().mean().item()}
 
     def _ended(self, exp: Experience) -> torch.Tensor:
         eos = torch.tensor(self.eos_ids, device=exp.sequences.device)
         responses = exp.sequences[:, -exp.num_actions:]
         return (torch.isin(responses, eos) & exp.action_mask).any(-1)
+
+    # ---- the train-inference mismatch --------------------------------------------------------------
+    @property
+    def _mismatch_in_experience(self) -> bool:
+        """Where the trainer's log-probs at the rollout's weights are: the experience's actor forward, or (on the
+        one-update shortcut, or with the engine's old log-probs) the update's first mini-batch forward."""
+        return not (self.experience.old_logps_from_update or self.experience.old_logps_from_engine)
+
+    def _mismatch(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict:
+        u = self.update
+        return mismatch_metrics(trainer, engine, mask, u.clip_eps,
+                                u.clip_eps if u.clip_eps_high is None else u.clip_eps_high)
+
+    def _update_mismatch(self, parts: list[tuple[dict, int]], device) -> dict:
+        """The first mini-batch's per-micro-batch mismatch metrics, weighted by their action tokens, over every rank."""
+        keys = ("mismatch_logp_abs_mean", "mismatch_kl", "mismatch_frac_outside_clip")
+        sums = torch.tensor([[m[k] * n for k in keys] + [n] for m, n in parts] or [[0.0] * 4], dtype=torch.float64,
+                            device=device).sum(0)
+        sums = all_reduce_sum(sums, None)
+        worst = all_reduce_max(torch.tensor([max([m["mismatch_logp_abs_max"] for m, _ in parts] + [0.0])],
+                                            dtype=torch.float64, device=device), None).item()
+        count = max(sums[-1].item(), 1.0)
+        return {"mismatch_logp_abs_max": worst, **{k: (v / count).item() for k, v in zip(keys, sums[:-1])}}
 
     # ---- the update ------------------------------------------------------------------------------
     def _update(self, exp: Experience, engines: dict, updater: Updater, layouts: list) -> dict:
@@ -243,6 +294,7 @@ class PPOStage(Stage):
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "count": 0, "value_tokens": 0,
                 **{k: 0.0 for k in POLICY_STATS + VALUE_STATS}}
         first_dev = [0.0]
+        self._first_mismatch = []  # (metrics, action tokens) of each micro-batch of the first mini-batch
         last, router_sums = None, {}
         actor_frozen = self.iteration <= self.critic_warmup_steps  # ppo.critic.warmup_steps: the critic learns first
         for epoch, layout in enumerate(layouts):
@@ -280,16 +332,19 @@ class PPOStage(Stage):
                    "clip_frac": sums["clipped"] / tokens, "approx_kl": sums["approx_kl"] / tokens,
                    "entropy": sums["entropy"] / tokens, "first_ratio_dev": first_ratio_dev,
                    "lr": last.lr, "grad_norm": last.grad_norm, **router_sums}
+        if not self._mismatch_in_experience:
+            metrics.update(self._update_mismatch(self._first_mismatch, exp.sequences.device))
         if self.kl_loss_coef > 0:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
         if self.experience.old_logps_from_update:  # the KL to the reference, from the update's forward
-            sequences = exp.sequences.shape[0]
+            sequences = max(int(exp.action_mask.any(-1).sum()), 1)  # the rows it saw (not ppo.mask_truncated's)
             metrics.update(kl=sums["kl_loss"] / sequences, kl_token=sums["kl_loss"] / tokens)
         return metrics | critic_metrics
 
     def _policy_loss(self, module, mb: Experience, first_dev: list | None = None):
         on_policy = self.experience.old_logps_from_update
         weights, _ = self._aggregation(mb)  # (b, A): 1, or per-sequence shares (ppo.loss_agg)
+        weights = weights * mb.is_weights  # × π_old / π_engine (ppo.importance_sampling; 1 without)
         # token-level ratios: the loss is a sum of per-token terms, computed with its gradient inside the fused head;
         # GSPO's sequence ratio needs whole sequences, so its loss is taken from the head's log-probs
         token_loss = self._token_loss(mb, weights) if self.update.ratio_level == "token" else None
@@ -314,6 +369,9 @@ class PPOStage(Stage):
             # filled mb.old_logps (zeros), and the ratio is 1 by construction
             deviation = ((logps.detach() - old).abs() * mask).max().item() if mask.any() else 0.0
             first_dev[0] = max(first_dev[0], deviation)
+            if not self._mismatch_in_experience:  # the update's forward is the trainer's at the rollout's weights
+                self._first_mismatch.append((self._mismatch(logps.detach(), mb.engine_logps, mask),
+                                             int(mask.sum())))
         stats = torch.stack([terms.clipped.float().sum(), terms.approx_kl.sum(), entropy.detach().sum(),
                              kl.detach().sum(), mask.sum().float()])
         return with_router(loss, stats, router_term, router_stats)
@@ -347,7 +405,8 @@ class PPOStage(Stage):
         return token_loss
 
     def _aggregation(self, mb: Experience) -> tuple[torch.Tensor, int]:
-        return aggregation_weights(mb.action_mask, self.update.loss_agg, self.update.max_new_tokens)
+        return aggregation_weights(mb.action_mask, self.update.loss_agg, self.update.max_new_tokens,
+                                   self.update.mini_batch_size)
 
     def _value_loss(self, module, mb: Experience, model: torch.nn.Module):
         """The critic's clipped value loss; an MoE critic adds its routers' aux loss (its sequence classifier drops
@@ -370,10 +429,12 @@ class PPOStage(Stage):
     @torch.no_grad()
     def evaluate(self, batches, engines: dict) -> dict:
         actor = engines["actor"]
-        sums = torch.zeros(4, dtype=torch.float64, device=actor.ctx.device)  # score, exact, length, count
+        sums = torch.zeros(5, dtype=torch.float64, device=actor.ctx.device)  # score, exact, length, count, scored
+        self._synced(actor, self.iteration)  # greedy through the same engine, on the weights after the last update
         for batch in batches:
-            rollout = generate(actor, batch, self.eval_sampling, pad_token_id=self.tokenizer.pad_token_id,
-                               eos_ids=self.eos_ids, seed=self._seed("eval", actor.dp_rank), group=actor.dp_group)
+            rollout = self.rollout_engine.generate(actor, batch, self.eval_sampling,
+                                                   pad_token_id=self.tokenizer.pad_token_id, eos_ids=self.eos_ids,
+                                                   seed=self._seed("eval", actor.dp_rank), group=actor.dp_group)
             scores = self.raw_scores(rollout, engines)[0].double()
             real = rollout.real.double()
             exact = torch.zeros_like(real)
@@ -382,11 +443,14 @@ class PPOStage(Stage):
                 exact = torch.tensor([float(t.strip() == str(r).strip())
                                       for t, r in zip(texts, rollout.columns[REFERENCE])],
                                      dtype=torch.float64, device=real.device)
-            sums += torch.stack([(scores * real).sum(), (exact * real).sum(),
-                                 (rollout.action_mask.sum(-1).double() * real).sum(), real.sum()])
-        score, exact, length, count = reduce_sums(list(sums), actor)
+            sums += torch.stack([(scores.nan_to_num(0.0) * real).sum(), (exact * real).sum(),  # NaN: unscored
+                                 (rollout.action_mask.sum(-1).double() * real).sum(), real.sum(),
+                                 (real * ~scores.isnan()).sum()])
+        self.rollout_engine.after_rollout()
+        score, exact, length, count, scored = reduce_sums(list(sums), actor)
         count = max(count, 1)
-        return {"eval_score": score / count, "eval_exact_match": exact / count, "eval_response_len": length / count,
+        return {"eval_score": score / max(scored, 1), "eval_exact_match": exact / count,
+                "eval_response_len": length / count,
                 "eval_samples": int(count)}
 
     def state_dict(self) -> dict:

@@ -1,0 +1,282 @@
+"""Rollouts through vLLM servers (`ppo.rollout.engine=vllm`): token ids in, token ids and their sampled log-probs
+out, the policy's weights pushed into every server before every rollout whose weights changed, and each push
+verified.
+
+- Generation: every dp rank sends its prompts (as token ids, one request per prompt with `n` samples and a seed
+  derived from the run seed, the iteration, the rank and the prompt's position) to its server
+  (`urls[dp_rank % len(urls)]`), all at once, so the server batches them. Each choice names the weight version that
+  sampled each of its tokens: a token from any other version than the one just synced stops the run.
+- Weight sync (a collective: every rank calls it): the actor's full weights (gathered from ZeRO-3 / FSDP2 shards,
+  LoRA merged: the engine's `export_hf`) are written to a run-local or shared-memory folder; rank 0 then pauses each
+  server, has it reload the folder, resets its prefix cache (the cached KV of the old weights), names the new
+  version, resumes it and reads the version back. Verification: a fixed probe sequence's log-probs from the
+  server equal the trainer's within ppo.rollout.vllm.sync_tolerance (`sync_max_abs`), or every rank stops.
+- Colocated on the training GPUs (`sleep=true`): the server sleeps (frees its memory) while the trainer updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.data.prompts import PromptBatch
+from llmtrain.parallel import barrier
+from llmtrain.stages.ppo.engines.http import EngineError, call
+from llmtrain.stages.ppo.engines.vllm_server import ServerSettings, VLLMServer
+from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, laid_out, padded_prompts
+
+log = logging.getLogger(__name__)
+PROBE_LENGTH = 24
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    urls: tuple[str, ...]  # servers the user runs; empty: start one from `server`
+    server: ServerSettings | None
+    run_dir: Path
+    sleep: bool = False
+    request_timeout_s: float = 600.0
+    sync_tolerance: float = 1e-3
+    sync_dir: str | None = None
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _from_main(value):
+    """Rank 0's `value` on every rank (a Python object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, settings: VLLMSettings):
+        self.settings = settings
+        self.urls = list(settings.urls)
+        self.server: VLLMServer | None = None
+        self.weight_version: str | None = None  # what every server holds (None: not synced by this run yet)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self, actor) -> None:
+        """Connect (urls) or start a server on rank 0 with the policy's initial weights; every rank learns the URLs."""
+        if not self.urls:
+            folder = self._weights_folder("initial")
+            actor.export_hf(folder)
+            error = None
+            if _is_main():
+                try:
+                    gpu = torch.cuda.is_available()
+                    self.server = VLLMServer(self.settings.server, folder, self.settings.run_dir / "vllm_server.log",
+                                             gpu)
+                except EngineError as failure:
+                    error = str(failure)
+            error = _from_main(error)
+            if error is not None:
+                raise EngineError(error)
+            self.urls = [_from_main(self.server.url if self.server else None)]
+        if _is_main():
+            for url in self.urls:
+                self._check_server(url)
+
+    def _check_server(self, url: str) -> None:
+        models = call(url, "/v1/models", timeout_s=30).get("data", [])
+        needed = self.settings.server.max_model_len if self.settings.server else None
+        served = models[0].get("max_model_len") if models else None
+        if needed and served and served < needed:
+            raise EngineError(f"inference engine {url} serves max_model_len={served}, the run needs {needed} "
+                              "(data.max_seq_len): restart it with --max-model-len >= that")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _weights_folder(self, name: str) -> Path:
+        """Where a sync writes the weights: ppo.rollout.vllm.sync_dir, else /dev/shm when writable, else the run dir.
+        The same path on every rank (rank 0's), since the engine reads what rank 0 writes."""
+        base = self.settings.sync_dir
+        if base is None:
+            shm = Path("/dev/shm")
+            base = str(shm) if shm.is_dir() and _writable(shm) else str(self.settings.run_dir)
+        folder = None
+        if _is_main():
+            Path(base).mkdir(parents=True, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix=f"llmtrain-weights-{name}-", dir=base)
+        return Path(_from_main(folder))
+
+    def sync(self, actor, version: str) -> dict:
+        """Push the actor's weights to every server as `version` and verify them (a collective: every rank calls it).
+        Nothing to do when the servers already hold `version`."""
+        if self.weight_version == version:
+            return {}
+        start = time.perf_counter()
+        folder = self._weights_folder(version)
+        try:
+            if self.settings.sleep:
+                self._each_server("/wake_up")
+            actor.export_hf(folder)  # a collective: gathers the shards, merges LoRA; rank 0 writes
+            barrier()
+            error = None
+            if _is_main():
+                try:
+                    for url in self.urls:
+                        self._reload(url, folder, version)
+                except EngineError as failure:
+                    error = str(failure)
+            error = _from_main(error)
+            if error is not None:
+                raise EngineError(error)
+        finally:
+            if _is_main():
+                shutil.rmtree(folder, ignore_errors=True)
+        written = time.perf_counter()
+        max_abs = self.verify(actor, version)
+        self.weight_version = version
+        return {"sync_s": written - start, "sync_verify_s": time.perf_counter() - written, "sync_max_abs": max_abs}
+
+    def _reload(self, url: str, folder: Path, version: str) -> None:
+        timeout = self.settings.request_timeout_s
+        call(url, "/pause?mode=wait", {}, timeout_s=timeout)
+        try:
+            call(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                 timeout_s=timeout)
+        except EngineError as error:
+            raise EngineError(f"{error}\ninference engine {url} could not load the policy's weights: it serves "
+                              "another architecture or vocabulary; start it with the run's model") from error
+        for _ in range(20):  # it answers success: false while requests still hold cached blocks
+            if call(url, "/reset_prefix_cache", {}, timeout_s=timeout).get("success", True):
+                break
+            time.sleep(0.05)
+        else:
+            raise EngineError(f"inference engine {url}: /reset_prefix_cache kept answering success: false; the "
+                              "old weights' cached KV could be reused")
+        call(url, "/update_weight_version", {"new_version": version}, timeout_s=timeout)
+        call(url, "/resume", {}, timeout_s=timeout)
+        reported = call(url, "/weight_info", timeout_s=timeout).get("weight_version")
+        if reported != version:
+            raise EngineError(f"inference engine {url} reports weight version {reported!r} after the sync to "
+                              f"{version!r}: its weights cannot be trusted")
+
+    def verify(self, actor, version: str) -> float:
+        """max |log p_engine − log p_trainer| over a fixed probe sequence, on every server; past the tolerance every
+        rank raises (a collective: the trainer's forward runs on every rank)."""
+        vocab = actor.model.config.get_text_config().vocab_size
+        probe = [(7919 * i + 13) % vocab for i in range(1, PROBE_LENGTH + 1)]
+        with torch.no_grad(), actor.generation_context() as model, actor.autocast():
+            logits = model(input_ids=torch.tensor([probe], device=actor.ctx.device)).logits[0, :-1].float()
+        trainer = torch.log_softmax(logits, -1).gather(1, torch.tensor(probe[1:], device=logits.device)[:, None])
+        trainer = trainer.squeeze(1).cpu()  # (L - 1,)
+        worst, error = 0.0, None
+        if _is_main():
+            try:
+                for url in self.urls:
+                    worst = max(worst, float((self._probe_logps(url, probe) - trainer).abs().max()))
+            except EngineError as failure:
+                error = str(failure)
+        worst, error = _from_main((worst, error))
+        if error is not None:
+            raise EngineError(error)
+        if not worst <= self.settings.sync_tolerance:
+            raise EngineError(f"weight sync to {version!r} not verified: the engine's log-probs of the probe sequence "
+                              f"differ from the trainer's by up to {worst:.3g} (ppo.rollout.vllm.sync_tolerance="
+                              f"{self.settings.sync_tolerance}); the engine would sample from other weights than the "
+                              f"policy's (engines: {', '.join(self.urls)})")
+        return worst
+
+    def _probe_logps(self, url: str, probe: list[int]) -> torch.Tensor:
+        answer = call(url, "/inference/v1/generate", {"token_ids": probe, "sampling_params": {
+            "max_tokens": 1, "temperature": 1.0, "logprobs": 0, "prompt_logprobs": 0, "detokenize": False}},
+            timeout_s=self.settings.request_timeout_s)
+        rows = answer["prompt_logprobs"][1:]
+        return torch.tensor([row[str(token)]["logprob"] for row, token in zip(rows, probe[1:])])
+
+    def _each_server(self, path: str) -> None:
+        if _is_main():
+            for url in self.urls:
+                call(url, path, {}, timeout_s=self.settings.request_timeout_s)
+        barrier()
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int,
+                 eos_ids: list[int], seed: int, group=None) -> Rollout:
+        """The rollout of this rank's prompts, sampled by its server: the hf engine's layout, with the engine's
+        log-probs and the weight version that sampled it."""
+        n = settings.n_samples_per_prompt
+        url = self.urls[actor.dp_rank % len(self.urls)]
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
+            answers = list(pool.map(lambda item: self._request(url, item[1], settings, eos_ids, seed + item[0]),
+                                    enumerate(prompts)))
+        choices = [choice for answer in answers for choice in answer]  # a prompt's n samples consecutive
+        if len(choices) != len(prompts) * n:
+            raise EngineError(f"inference engine {url} returned {len(choices)} samples for {len(prompts)} prompts × "
+                              f"n={n}")
+        self._check_versions(url, choices)
+        ids, mask = padded_prompts(batch, n, pad_token_id, group)
+        width = max([len(c["token_ids"]) for c in choices] + [1])
+        responses = torch.full((len(choices), width), pad_token_id, dtype=torch.long)
+        logps = torch.zeros((len(choices), width))
+        for i, choice in enumerate(choices):
+            tokens, values = _tokens_and_logps(choice)
+            responses[i, :len(tokens)], logps[i, :len(values)] = torch.tensor(tokens, dtype=torch.long), values
+        device = ids.device
+        return laid_out(ids, mask, responses.to(device), logps.to(device), batch, n, eos_ids, pad_token_id, group,
+                        gather_s=time.perf_counter() - start, weight_version=self.weight_version)
+
+    def _request(self, url: str, prompt: list[int], settings: SamplingSettings, eos_ids: list[int],
+                 seed: int) -> list[dict]:
+        sampling = {"max_tokens": settings.max_new_tokens, "temperature": settings.temperature, "logprobs": 0,
+                    "n": settings.n_samples_per_prompt, "seed": seed % (2 ** 31), "stop_token_ids": list(eos_ids),
+                    "detokenize": False, "skip_special_tokens": False}
+        if settings.temperature > 0:
+            sampling.update(top_p=settings.top_p, top_k=settings.top_k if settings.top_k > 0 else -1)
+        answer = call(url, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling},
+                      timeout_s=self.settings.request_timeout_s)
+        return sorted(answer["choices"], key=lambda choice: choice["index"])
+
+    def _check_versions(self, url: str, choices: list[dict]) -> None:
+        seen = {part["version"] for choice in choices for part in choice.get("weight_versions") or []}
+        if seen != {self.weight_version}:
+            raise EngineError(f"inference engine {url} sampled with weight versions {sorted(seen)}, expected only "
+                              f"{self.weight_version!r}: a rollout on stale weights")
+
+    def after_rollout(self) -> None:
+        """Colocated: free the engine's memory for the update."""
+        if self.settings.sleep:
+            self._each_server("/sleep?level=1")
+
+
+def _tokens_and_logps(choice: dict) -> tuple[list[int], torch.Tensor]:
+    """A choice's tokens and each one's sampled log-prob; the stop token it ended at appended when the engine left
+    it out (the action mask keeps the stop token: the reward model scores there)."""
+    tokens = list(choice["token_ids"])
+    values = [entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content", [])]
+    stop = choice.get("stop_reason")
+    if choice.get("finish_reason") == "stop" and isinstance(stop, int) and (not tokens or tokens[-1] != stop):
+        tokens.append(stop)
+        values.append(0.0)  # not reported: the mismatch metrics then see its full trainer log-prob
+    return tokens, torch.tensor(values[:len(tokens)], dtype=torch.float32)
+
+
+def _writable(path: Path) -> bool:
+    try:
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
