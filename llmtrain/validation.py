@@ -36,7 +36,37 @@ def stage_problems(cfg: Any, dp: int = 1) -> list[str]:
     problems = []
     if cfg.data.format not in spec.data_formats:
         problems.append(f"stage {spec.name} {spec.data_hint.format(format=repr(cfg.data.format))}")
-    return problems + spec.problems(cfg, dp)
+    return problems + spec.problems(cfg, dp) + unread_node_problems(cfg, spec.config_node)
+
+
+def unread_node_problems(cfg: Any, read_node: str | None) -> list[str]:
+    """Fields of another stage's config node set away from their defaults: this stage never reads them (e.g.
+    ppo.rollout.engine=vllm on stage=sft would sample nothing), so they are refused rather than ignored."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    problems, seen = [], {read_node}
+    for other in (stage_spec(name) for name in stage_names()):
+        node = other.config_node
+        if node in seen or node not in cfg or other.config_class is None:
+            continue
+        seen.add(node)
+        changed = _changed(OmegaConf.to_container(cfg[node], resolve=True), dataclasses.asdict(other.config_class()))
+        problems += [f"{node}.{name} is set but stage={cfg.stage.name} does not read it (stage {other.name} "
+                     f"does): drop it, or choose that stage" for name in changed]
+    return problems
+
+
+def _changed(values: dict, defaults: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in values.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            out += _changed(value, default, f"{prefix}{key}.")
+        elif value != default:
+            out.append(prefix + key)
+    return out
 
 
 def config_problems(cfg: Any, world_size: int) -> list[str]:

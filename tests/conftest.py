@@ -11,7 +11,7 @@ import pytest
 # the helpers' asserts explain themselves in a failure report, as the tests' own do
 pytest.register_assert_rewrite("tests.helpers")
 
-from tests.helpers import REPO, save_tiny_model  # noqa: E402  (after the registration)
+from tests.helpers import REPO, save_tiny_model, vllm_environment  # noqa: E402  (after the registration)
 
 # Trained base models (${base:...}, llmtrain/bases.py) are built once into <repo>/.cache and reused by
 # every later test run and CLI subprocess; a test that must build one sets its own LLMTRAIN_CACHE.
@@ -21,3 +21,30 @@ os.environ.setdefault("LLMTRAIN_CACHE", str(REPO / ".cache"))
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The rollout engine's interpreter: $LLMTRAIN_VLLM_PYTHON (.ci/run builds it beside the unit tests), else built
+    here once into <repo>/.cache/vllm-env by launch/vllm_env.sh (vLLM lives apart from llmtrain's transformers)."""
+    return vllm_environment()
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with heads of 32 dimensions: vLLM's CPU attention has no kernel for 16 (tiny_model_dir's)."""
+    return save_tiny_model(tmp_path_factory.mktemp("vllm_llama"), heads=2)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python, vllm_model_dir, tmp_path_factory):
+    """One vLLM CPU server for the test session, started by llmtrain's own server code on the tiny model (the runs
+    that use it push their own weights into it before they sample), stopped at the end."""
+    from llmtrain.stages.ppo.engines.vllm_server import ServerSettings, VLLMServer
+
+    settings = ServerSettings(python=vllm_python, precision="fp32", max_model_len=256, start_timeout_s=600)
+    server = VLLMServer(settings, vllm_model_dir, tmp_path_factory.mktemp("vllm") / "server.log", gpu=False)
+    try:
+        yield server
+    finally:
+        server.stop()

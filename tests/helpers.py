@@ -15,14 +15,15 @@ TOKENIZER_DIR = REPO / "llmtrain" / "assets" / "tokenizer"
 PYTHON = sys.executable
 
 
-def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0) -> Path:
-    """A random tiny model + the shipped tokenizer, saved with save_pretrained (loaded by from_pretrained)."""
+def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, heads: int = 4) -> Path:
+    """A random tiny model + the shipped tokenizer, saved with save_pretrained (loaded by from_pretrained); `heads`
+    attention heads over h = 64 (half as many kv heads)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                 num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=256)
     if model_type == "gpt2":
         sizes = dict(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=256)
     torch.manual_seed(seed)
@@ -239,3 +240,19 @@ def spawn_ranks(target, messages: int, world: int = 2) -> tuple[list, list]:
     for worker in workers:
         worker.join(timeout=60)
     return received, [worker.exitcode for worker in workers]
+
+
+def vllm_environment() -> str:
+    """$LLMTRAIN_VLLM_PYTHON, or the engine environment launch/vllm_env.sh builds (once, under a lock) in .cache."""
+    import fcntl
+
+    if os.environ.get("LLMTRAIN_VLLM_PYTHON"):
+        return os.environ["LLMTRAIN_VLLM_PYTHON"]
+    cache = REPO / ".cache"
+    cache.mkdir(exist_ok=True)
+    with open(cache / "vllm-env.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = subprocess.run(["bash", str(REPO / "launch" / "vllm_env.sh"), str(cache / "vllm-env")],
+                               capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, f"launch/vllm_env.sh failed:\n{built.stderr[-3000:]}"
+    return built.stdout.strip().splitlines()[-1]
