@@ -32,8 +32,16 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> Path:
-    """The tiny Llama with heads of 32 dimensions: vLLM's CPU attention has no kernel for 16 (tiny_model_dir's)."""
-    return save_tiny_model(tmp_path_factory.mktemp("vllm_llama"), heads=2)
+    """A model of conf/model/tiny_llama.yaml's architecture (the recipes' sft_tiny base), randomly initialised: what
+    the engine serves until a run pushes its own weights (vLLM's CPU attention needs heads of 32 or more dimensions,
+    tiny_model_dir's have 16)."""
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from_config = yaml.safe_load((REPO / "conf" / "model" / "tiny_llama.yaml").read_text())["from_config"]
+    directory = tmp_path_factory.mktemp("vllm_llama")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(vocab_size=263, **from_config)).save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")

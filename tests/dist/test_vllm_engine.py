@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import yaml
+from transformers import AutoModelForCausalLM
 
 from llmtrain.stages.ppo.engines.http import call
 from tests.helpers import PYTHON, REPO, TOKENIZER_DIR, cli_env, read_metrics, run_cli, save_tiny_model
@@ -24,13 +25,12 @@ pytestmark = pytest.mark.dist
 STEPS = 2
 
 
-def grpo_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    """A short GRPO run on the reversal task from the tiny model, with a learning rate that moves the weights."""
-    return ["recipe=grpo_tiny", f"model.name_or_path={model_dir}", f"model.tokenizer={TOKENIZER_DIR}",
-            "ppo.rollout.prompts_per_step=4", "ppo.rollout.n_samples_per_prompt=2", "ppo.rollout.max_new_tokens=8",
-            "ppo.mini_batch_size=8", "trainer.micro_batch_size=4", f"trainer.max_steps={STEPS}",
-            f"trainer.eval_every_n_steps={STEPS}", "trainer.eval_batch_size=8",
-            "optim.lr=1e-2", "optim.warmup_steps=0", "ppo.rollout.engine=vllm", f"output_dir={out}", *extra]
+def grpo_args(out: Path, *extra: str) -> list[str]:
+    """A short grpo_tiny run (from the sft_tiny base) with a learning rate that moves the weights."""
+    return ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=8", "ppo.rollout.n_samples_per_prompt=4",
+            "ppo.rollout.max_new_tokens=8", "ppo.mini_batch_size=16", "trainer.micro_batch_size=8",
+            f"trainer.max_steps={STEPS}", f"trainer.eval_every_n_steps={STEPS}", "trainer.eval_batch_size=16",
+            "optim.lr=3e-3", "ppo.rollout.engine=vllm", f"output_dir={out}", *extra]
 
 
 def trainer_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -49,16 +49,22 @@ def engine_greedy(url: str, prompts: list[list[int]], new_tokens: int) -> list[l
             ["token_ids"] for p in prompts]
 
 
-PROMPTS = [[5, 17, 33, 90, 4], [200, 3, 3, 3], [9, 60, 61, 62, 63, 64, 12]]
+WORDS = ["reverse: stream\n", "reverse: abcdefg\n", "reverse: qz\n"]
+
+
+def reversal_prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    return [tokenizer(word)["input_ids"] for word in WORDS]
 
 
 @pytest.mark.parametrize("nproc,backend", [(1, ["backend=ddp"]), (2, ["backend=fsdp2"]),
                                            (2, ["backend=zero3", "peft=lora", "peft.dropout=0.0"])],
                          ids=["ddp", "fsdp2", "zero3-lora"])
-def test_engine_samples_on_the_policys_weights_after_every_update(nproc, backend, vllm_server, vllm_model_dir,
-                                                                  tmp_path):
-    result = run_cli(grpo_args(vllm_model_dir, tmp_path / "run", f"ppo.rollout.vllm.urls=[{vllm_server.url}]",
-                               *backend), nproc=nproc, timeout=900)
+def test_engine_samples_on_the_policys_weights_after_every_update(nproc, backend, vllm_server, tmp_path):
+    result = run_cli(grpo_args(tmp_path / "run", f"ppo.rollout.vllm.urls=[{vllm_server.url}]", *backend),
+                     nproc=nproc, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     train, evals = read_metrics(tmp_path / "run")
     assert [r["step"] for r in evals] == [0, STEPS]
@@ -67,20 +73,24 @@ def test_engine_samples_on_the_policys_weights_after_every_update(nproc, backend
     assert "sync_max_abs" in train[1], train[1]
     assert all(r["mismatch_logp_abs_max"] < 1e-3 for r in train), [r["mismatch_logp_abs_max"] for r in train]
     assert call(vllm_server.url, "/weight_info")["weight_version"] == f"policy-{STEPS}"
-    trained = trainer_greedy(tmp_path / "run" / "hf", PROMPTS, 6)
-    initial = trainer_greedy(vllm_model_dir, PROMPTS, 6)
+    prompts = reversal_prompts()
+    trained = trainer_greedy(tmp_path / "run" / "hf", prompts, 10)
+    base = Path(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["name_or_path"])
+    initial = trainer_greedy(base, prompts, 10)
     assert trained != initial, "the updates did not change the greedy tokens: the check below would prove nothing"
-    assert engine_greedy(vllm_server.url, PROMPTS, 6) == trained
+    assert engine_greedy(vllm_server.url, prompts, 10) == trained
 
 
-def _server_pids(marker: str) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+def _server_pids(weights: Path) -> list[int]:
+    """The vLLM servers started on a weights folder under `weights` (each leads a process group of its own)."""
+    found = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.openai.api_server --model {weights}"],
+                           capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
 
 
-def test_a_server_llmtrain_starts_is_stopped_and_a_dead_one_stops_the_run(vllm_python, vllm_model_dir, tmp_path):
+def test_a_server_llmtrain_starts_is_stopped_and_a_dead_one_stops_the_run(vllm_python, tmp_path):
     out, weights = tmp_path / "run", tmp_path / "weights"
-    args = grpo_args(vllm_model_dir, out, f"ppo.rollout.vllm.python={vllm_python}",
+    args = grpo_args(out, f"ppo.rollout.vllm.python={vllm_python}",
                      f"ppo.rollout.vllm.sync_dir={weights}", "ppo.rollout.vllm.start_timeout_s=600",
                      "trainer.max_steps=200", "trainer.save_every_n_steps=1", "trainer.eval_every_n_steps=0")
     process = subprocess.Popen([PYTHON, "-m", "llmtrain", *args], env=cli_env(), cwd=REPO, stdout=subprocess.PIPE,
@@ -90,10 +100,11 @@ def test_a_server_llmtrain_starts_is_stopped_and_a_dead_one_stops_the_run(vllm_p
         while not (out / "checkpoints" / "step_2").is_dir():
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-4000:]
             time.sleep(1)
-        servers = _server_pids(str(weights))
+        servers = _server_pids(weights)
         assert servers, "no vLLM server runs with the run's weights folder"
-        for pid in servers:  # the engine dies mid-run
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        for pid in servers:  # the engine dies mid-run (its own process group: not this test's)
+            assert os.getpgid(pid) == pid
+            os.killpg(pid, signal.SIGKILL)
         _, stderr = process.communicate(timeout=300)
     finally:
         if process.poll() is None:
@@ -106,18 +117,16 @@ def test_a_server_llmtrain_starts_is_stopped_and_a_dead_one_stops_the_run(vllm_p
     # the run resumes from its last checkpoint with a fresh server, then stops that one too
     resumed = run_cli([*args, "resume=auto", f"trainer.max_steps={steps[-1] + 1}"], timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert not _server_pids(str(weights)), "the server llmtrain started outlived the run"
+    assert not _server_pids(weights), "the server llmtrain started outlived the run"
 
 
-def test_bad_engines_are_refused_naming_the_url(vllm_server, vllm_model_dir, tmp_path):
-    unreachable = run_cli(grpo_args(vllm_model_dir, tmp_path / "a", "ppo.rollout.vllm.urls=[http://127.0.0.1:9]"))
+def test_bad_engines_are_refused_naming_the_url(vllm_server, tmp_path):
+    unreachable = run_cli(grpo_args(tmp_path / "a", "ppo.rollout.vllm.urls=[http://127.0.0.1:9]"))
     assert unreachable.returncode != 0 and "inference engine http://127.0.0.1:9" in unreachable.stderr, \
         unreachable.stderr[-3000:]
-    other = save_tiny_model(tmp_path / "other_model", heads=2)
-    config = AutoConfig.from_pretrained(other)
-    config.intermediate_size = 96  # another architecture than the server's
-    AutoModelForCausalLM.from_config(config).save_pretrained(other)
-    mismatched = run_cli(grpo_args(other, tmp_path / "b", f"ppo.rollout.vllm.urls=[{vllm_server.url}]"))
+    other = save_tiny_model(tmp_path / "other_model", heads=2)  # another architecture than the server's
+    mismatched = run_cli(grpo_args(tmp_path / "b", f"ppo.rollout.vllm.urls=[{vllm_server.url}]",
+                                   f"model.name_or_path={other}", f"model.tokenizer={TOKENIZER_DIR}"))
     assert mismatched.returncode != 0, mismatched.stderr[-3000:]
     assert f"inference engine {vllm_server.url} could not load the policy's weights" in mismatched.stderr, \
         mismatched.stderr[-3000:]

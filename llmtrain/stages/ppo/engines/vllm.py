@@ -52,6 +52,21 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _main_only(work):
+    """`work()` on rank 0, its result on every rank; an EngineError there is raised on every rank (none is left
+    waiting in a collective for a rank that stopped)."""
+    result, error = None, None
+    if _is_main():
+        try:
+            result = work()
+        except EngineError as failure:
+            error = str(failure)
+    result, error = _from_main((result, error))
+    if error is not None:
+        raise EngineError(error)
+    return result
+
+
 def _from_main(value):
     """Rank 0's `value` on every rank (a Python object)."""
     if not dist.is_initialized():
@@ -76,21 +91,17 @@ class VLLMEngine:
         if not self.urls:
             folder = self._weights_folder("initial")
             actor.export_hf(folder)
-            error = None
-            if _is_main():
-                try:
-                    gpu = torch.cuda.is_available()
-                    self.server = VLLMServer(self.settings.server, folder, self.settings.run_dir / "vllm_server.log",
-                                             gpu)
-                except EngineError as failure:
-                    error = str(failure)
-            error = _from_main(error)
-            if error is not None:
-                raise EngineError(error)
-            self.urls = [_from_main(self.server.url if self.server else None)]
-        if _is_main():
-            for url in self.urls:
-                self._check_server(url)
+            try:
+                self.urls = [_main_only(lambda: self._start_server(folder))]
+            finally:
+                if _is_main():
+                    _remove(folder)  # loaded at start; every sync names a folder of its own
+        _main_only(lambda: [self._check_server(url) for url in self.urls])
+
+    def _start_server(self, folder: Path) -> str:
+        self.server = VLLMServer(self.settings.server, folder, self.settings.run_dir / "vllm_server.log",
+                                 gpu=torch.cuda.is_available())
+        return self.server.url
 
     def _check_server(self, url: str) -> None:
         models = call(url, "/v1/models", timeout_s=30).get("data", [])
@@ -131,19 +142,10 @@ class VLLMEngine:
                 self._each_server("/wake_up")
             actor.export_hf(folder)  # a collective: gathers the shards, merges LoRA; rank 0 writes
             barrier()
-            error = None
-            if _is_main():
-                try:
-                    for url in self.urls:
-                        self._reload(url, folder, version)
-                except EngineError as failure:
-                    error = str(failure)
-            error = _from_main(error)
-            if error is not None:
-                raise EngineError(error)
+            _main_only(lambda: [self._reload(url, folder, version) for url in self.urls])
         finally:
             if _is_main():
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove(folder)
         written = time.perf_counter()
         max_abs = self.verify(actor, version)
         self.weight_version = version
@@ -181,16 +183,8 @@ class VLLMEngine:
             logits = model(input_ids=torch.tensor([probe], device=actor.ctx.device)).logits[0, :-1].float()
         trainer = torch.log_softmax(logits, -1).gather(1, torch.tensor(probe[1:], device=logits.device)[:, None])
         trainer = trainer.squeeze(1).cpu()  # (L - 1,)
-        worst, error = 0.0, None
-        if _is_main():
-            try:
-                for url in self.urls:
-                    worst = max(worst, float((self._probe_logps(url, probe) - trainer).abs().max()))
-            except EngineError as failure:
-                error = str(failure)
-        worst, error = _from_main((worst, error))
-        if error is not None:
-            raise EngineError(error)
+        worst = _main_only(lambda: max(float((self._probe_logps(url, probe) - trainer).abs().max())
+                                       for url in self.urls))
         if not worst <= self.settings.sync_tolerance:
             raise EngineError(f"weight sync to {version!r} not verified: the engine's log-probs of the probe sequence "
                               f"differ from the trainer's by up to {worst:.3g} (ppo.rollout.vllm.sync_tolerance="
@@ -206,10 +200,7 @@ class VLLMEngine:
         return torch.tensor([row[str(token)]["logprob"] for row, token in zip(rows, probe[1:])])
 
     def _each_server(self, path: str) -> None:
-        if _is_main():
-            for url in self.urls:
-                call(url, path, {}, timeout_s=self.settings.request_timeout_s)
-        barrier()
+        _main_only(lambda: [call(url, path, {}, timeout_s=self.settings.request_timeout_s) for url in self.urls])
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int,
@@ -272,6 +263,14 @@ def _tokens_and_logps(choice: dict) -> tuple[list[int], torch.Tensor]:
         tokens.append(stop)
         values.append(0.0)  # not reported: the mismatch metrics then see its full trainer log-prob
     return tokens, torch.tensor(values[:len(tokens)], dtype=torch.float32)
+
+
+def _remove(folder: Path) -> None:
+    """A weights folder, and the adapters a LoRA export writes beside it (models/lora.adapter_dir_for)."""
+    from llmtrain.models.lora import adapter_dir_for
+
+    for path in (folder, adapter_dir_for(folder)):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _writable(path: Path) -> bool:
