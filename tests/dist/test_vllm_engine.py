@@ -81,6 +81,19 @@ def test_engine_samples_on_the_policys_weights_after_every_update(nproc, backend
     assert engine_greedy(vllm_server.url, prompts, 10) == trained
 
 
+def test_a_resumed_run_samples_what_the_straight_run_sampled(vllm_server, tmp_path):
+    engine = [f"ppo.rollout.vllm.urls=[{vllm_server.url}]", "trainer.eval_every_n_steps=0",
+              "trainer.save_every_n_steps=1"]
+    straight = run_cli(grpo_args(tmp_path / "straight", *engine))
+    first = run_cli(grpo_args(tmp_path / "resumed", *engine, "trainer.max_steps=1"))
+    resumed = run_cli(grpo_args(tmp_path / "resumed", *engine, "resume=auto"))
+    for result in (straight, first, resumed):
+        assert result.returncode == 0, result.stderr[-3000:]
+    keys = ("score", "loss", "grad_norm", "response_len", "mismatch_logp_abs_max")
+    rows = [[{k: r[k] for k in keys} for r in read_metrics(tmp_path / name)[0]] for name in ("straight", "resumed")]
+    assert len(rows[0]) == STEPS and rows[0] == rows[1]
+
+
 def _server_pids(weights: Path) -> list[int]:
     """The vLLM servers started on a weights folder under `weights` (each leads a process group of its own)."""
     found = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.openai.api_server --model {weights}"],
