@@ -171,7 +171,7 @@ def rl_summary(steps: list[dict], warmup: int) -> dict:
                     [r["cpu_time"] for r in steps])
     result["split"] = {k: sum(r[k] for r in timed) / len(timed) for k in (*SPLIT, "time_gather_s", "generation_share")}
     result["scores"], result["losses"] = [r["score"] for r in steps], [r["loss"] for r in steps]
-    result["first_ratio_dev_max"] = max(r["first_ratio_dev"] for r in steps)
+    result["first_ratio_dev_max"] = max(r.get("first_ratio_dev", 0.0) for r in steps)  # absent on the shortcut
     return result
 
 

@@ -60,7 +60,8 @@ def reversal_prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("nproc,backend", [(1, ["backend=ddp"]), (2, ["backend=fsdp2"]),
-                                           (2, ["backend=zero3", "peft=lora", "peft.dropout=0.0"])],
+                                           (2, ["backend=zero3", "peft=lora", "peft.dropout=0.0",
+                                                "ppo.old_logprobs=engine"])],
                          ids=["ddp", "fsdp2", "zero3-lora"])
 def test_engine_samples_on_the_policys_weights_after_every_update(nproc, backend, vllm_server, tmp_path):
     result = run_cli(grpo_args(tmp_path / "run", f"ppo.rollout.vllm.urls=[{vllm_server.url}]", *backend),
@@ -72,6 +73,10 @@ def test_engine_samples_on_the_policys_weights_after_every_update(nproc, backend
     assert all(r["sync_max_abs"] <= 1e-3 for r in train if "sync_max_abs" in r)
     assert "sync_max_abs" in train[1], train[1]
     assert all(r["mismatch_logp_abs_max"] < 1e-3 for r in train), [r["mismatch_logp_abs_max"] for r in train]
+    if "ppo.old_logprobs=engine" in backend:  # the ratio's old log-probs are the engine's: the first ratio measures it
+        assert all(0 < r["first_ratio_dev"] == r["mismatch_logp_abs_max"] for r in train), train
+    else:  # the experience's forward is the update's first: exactly 1
+        assert all(r["first_ratio_dev"] == 0.0 for r in train), train
     assert call(vllm_server.url, "/weight_info")["weight_version"] == f"policy-{STEPS}"
     prompts = reversal_prompts()
     trained = trainer_greedy(tmp_path / "run" / "hf", prompts, 10)
@@ -92,6 +97,17 @@ def test_a_resumed_run_samples_what_the_straight_run_sampled(vllm_server, tmp_pa
     keys = ("score", "loss", "grad_norm", "response_len", "mismatch_logp_abs_max")
     rows = [[{k: r[k] for k in keys} for r in read_metrics(tmp_path / name)[0]] for name in ("straight", "resumed")]
     assert len(rows[0]) == STEPS and rows[0] == rows[1]
+
+
+def test_hf_on_the_one_update_shortcut_measures_the_sampler_against_the_update(tmp_path):
+    """ppo.rollout.engine=hf with one update per rollout: no experience forward, so the first ratio is 1 by construction
+    and not logged; the mismatch compares the sampler's log-probs (KV-cached decode) with the update's forward."""
+    result = run_cli(grpo_args(tmp_path / "run", "ppo.rollout.engine=hf", "ppo.epochs=1", "ppo.mini_batch_size=32",
+                               "trainer.eval_every_n_steps=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = read_metrics(tmp_path / "run")[0]
+    assert all("first_ratio_dev" not in r and "sync_s" not in r for r in train), train
+    assert all(0 < r["mismatch_logp_abs_max"] < 1e-4 and abs(r["mismatch_kl"]) < 1e-6 for r in train), train
 
 
 def _server_pids(weights: Path) -> list[int]:

@@ -330,8 +330,9 @@ class PPOStage(Stage):
         policy_loss = sums["policy_loss"] / max(sums["count"], 1)  # aggregated as ppo.loss_agg says
         metrics = {"loss": policy_loss, "policy_loss": policy_loss,
                    "clip_frac": sums["clipped"] / tokens, "approx_kl": sums["approx_kl"] / tokens,
-                   "entropy": sums["entropy"] / tokens, "first_ratio_dev": first_ratio_dev,
-                   "lr": last.lr, "grad_norm": last.grad_norm, **router_sums}
+                   "entropy": sums["entropy"] / tokens, "lr": last.lr, "grad_norm": last.grad_norm, **router_sums}
+        if not self.experience.old_logps_from_update:  # on the shortcut the ratio is 1 by construction: no measure
+            metrics["first_ratio_dev"] = first_ratio_dev
         if not self._mismatch_in_experience:
             metrics.update(self._update_mismatch(self._first_mismatch, exp.sequences.device))
         if self.kl_loss_coef > 0:
@@ -365,8 +366,8 @@ class PPOStage(Stage):
                                                          mb.ref_logps, weights)
         mask = mb.action_mask
         if first_dev is not None:
-            # against the old log-probs the ratio uses: on-policy (old_logps_from_update) the experience never
-            # filled mb.old_logps (zeros), and the ratio is 1 by construction
+            # against the old log-probs the ratio uses: the experience's forward (exactly 1 expected), or the engine's
+            # (ppo.old_logprobs=engine); on the shortcut it is the update's own, logged not (mismatch_* measures it)
             deviation = ((logps.detach() - old).abs() * mask).max().item() if mask.any() else 0.0
             first_dev[0] = max(first_dev[0], deviation)
             if not self._mismatch_in_experience:  # the update's forward is the trainer's at the rollout's weights
