@@ -8,6 +8,8 @@ llmtrain, and per backend.
     python benchmarks/throughput.py --suite preference           # reward model and DPO vs TRL (pairs/s), preference.py
     python benchmarks/throughput.py --suite ppo                  # GRPO vs TRL GRPOTrainer; PPO's time split, ppo.py
     python benchmarks/throughput.py --suite lora [--profile]     # LoRA vs full SFT, vs TRL SFTTrainer + peft, lora.py
+    python benchmarks/throughput.py --suite rollout [--no-sync]  # GRPO engine=vllm / hf vs TRL, 128-token rollouts;
+                                                                 # the weight sync vs model size, rollout.py
 
 Every contender runs in its own process (peak RSS is its own, read with wait4), on the same tiny Llama
 (same initial weights), the same generated variable-length SFT data (common.DATA), AdamW with the same
@@ -338,6 +340,13 @@ def suite_ppo(args, work: Path, tmp: Path, info: dict) -> dict:
     return ppo.run_suite(args, work, tmp, info)
 
 
+# ---- rollout: GRPO with engine=vllm / engine=hf against TRL, 128-token rollouts; weight sync time (rollout.py) ---
+
+def suite_rollout(args, work: Path, tmp: Path, info: dict) -> dict:
+    import rollout
+    return rollout.run_suite(args, work, tmp, info)
+
+
 # ---- lora: LoRA SFT against full SFT and against TRL's SFTTrainer + peft (lora.py) ---------------------------
 
 def suite_lora(args, work: Path, tmp: Path, info: dict) -> dict:
@@ -368,17 +377,18 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo", "lora"],
+    parser.add_argument("--suite", choices=["cpu-small", "compare", "backends", "gpu", "preference", "ppo", "lora",
+                                                  "rollout"],
                         required=True)
     parser.add_argument("--baseline",
                         help="compare: the llmtrain commit to run against the working tree (default eff726e, the "
                              "last commit before per-sample attention, best-fit packing and the DDP changes); ppo: "
                              "also run llmtrain grpo and rloo at this commit (default: not)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --suite backends")
-    parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small, compare, gpu), 1 (backends)")
+    parser.add_argument("--rounds", type=int, help="default: 3 (cpu-small, compare, gpu, rollout), 1 (backends)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     parser.add_argument("--steps", type=int, help="timed steps per run (default: 5; backends 4, gpu 20, preference 8, "
-                        "ppo 10)")
+                        "ppo 10, rollout 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per contender (cpu-small, compare)")
     parser.add_argument("--only", nargs="*", help="contenders whose name contains one of these words")
     parser.add_argument("--backends", nargs="*", choices=BACKENDS)
@@ -393,12 +403,15 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each run wait up to this many seconds for the machine's other load to drop "
                              "under 0.5 cores (a shared machine); 0: do not wait")
+    parser.add_argument("--no-sync", action="store_true", help="rollout: leave out the weight-sync runs")
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     args.rounds = args.rounds or {"backends": 1, "gpu": 3}.get(args.suite, 3)
-    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8, "ppo": 10, "lora": 20}.get(args.suite, 5)
+    args.steps = args.steps or {"backends": 4, "gpu": 20, "preference": 8, "ppo": 10, "lora": 20,
+                                "rollout": 3}.get(args.suite, 5)
     suite = {"cpu-small": suite_cpu_small, "compare": suite_compare, "backends": suite_backends,
-             "gpu": suite_gpu, "preference": suite_preference, "ppo": suite_ppo, "lora": suite_lora}[args.suite]
+             "gpu": suite_gpu, "preference": suite_preference, "ppo": suite_ppo, "lora": suite_lora,
+             "rollout": suite_rollout}[args.suite]
     if args.suite == "gpu" and gpu_missing():
         return
     started = time.time()
@@ -408,7 +421,7 @@ def main() -> None:
         work.mkdir()
         info = prepare(work)
         host = machine()
-        size = "" if args.suite in ("ppo", "lora") else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
+        size = "" if args.suite in ("ppo", "lora", "rollout") else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
         print(f"suite {args.suite}: {size}{args.rounds} round(s), warm-up {args.warmup} + "
               f"{args.steps} timed steps; load average {host['load_average_before']}", flush=True)
         body = suite(args, work, tmp, info)
@@ -423,14 +436,18 @@ def main() -> None:
               "data": dict(C.DATA, **info["data"], max_seq_len=C.MAX_SEQ_LEN), "optim": C.OPTIM,
               "global_batch": {"unpacked_samples": C.GLOBAL_BATCH_SAMPLES, "packed_rows": C.GLOBAL_BATCH_ROWS_PACKED},
               "wall_s": time.time() - started, **body}
-    if args.suite in ("preference", "ppo", "lora"):  # trains on its own pairs or prompts and batch, not the SFT samples
+    if args.suite in ("preference", "ppo", "lora", "rollout"):  # trains on its own pairs or prompts and batch, not the SFT samples
         result.pop("data"), result.pop("global_batch")
-    if args.suite in ("ppo", "lora"):  # a tiny base (result[suite]["model"]), not common.MODEL
+    if args.suite in ("ppo", "lora", "rollout"):  # its own model (result[suite]["model"]), not common.MODEL
         result.pop("model")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.suite}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    table = report.table(result)
+    if args.suite == "rollout":
+        import rollout
+        table = rollout.table(result)
+    else:
+        table = report.table(result)
     path.with_suffix(".md").write_text(table + "\n")
     print()
     print(table)

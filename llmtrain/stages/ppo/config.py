@@ -39,7 +39,9 @@ class PPOVLLMConfig:
     environment's interpreter: llmtrain starts one server on 127.0.0.1 and stops it at the end and on every failure)."""
     urls: List[str] = field(default_factory=list)
     python: Optional[str] = None  # e.g. .cache/vllm-env/bin/python (launch/vllm_env.sh builds it)
-    args: List[str] = field(default_factory=list)  # passed through to the server (--tensor-parallel-size 2, ...)
+    # passed to the server llmtrain starts (--tensor-parallel-size 2, ...); with urls: what your servers run with (the
+    # planner reads their tensor / data parallel sizes from it)
+    args: List[str] = field(default_factory=list)
     sleep: bool = False  # colocated on the training GPUs: /sleep while the trainer updates, /wake_up to sample
     kv_cache_gib: int = 1  # CPU engine: VLLM_CPU_KVCACHE_SPACE in GiB (vLLM's default takes most of the machine)
     gpu_memory_utilization: float = 0.9  # GPU engine: the share of each engine GPU vLLM takes (weights + KV cache)

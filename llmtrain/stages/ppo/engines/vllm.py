@@ -84,6 +84,7 @@ class VLLMEngine:
         self.urls = list(settings.urls)
         self.server: VLLMServer | None = None
         self.weight_version: str | None = None  # what every server holds (None: not synced by this run yet)
+        self.asleep = False  # colocated (sleep=true): the servers freed their memory after the last rollout
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self, actor) -> None:
@@ -138,8 +139,7 @@ class VLLMEngine:
         start = time.perf_counter()
         folder = self._weights_folder(version)
         try:
-            if self.settings.sleep:
-                self._each_server("/wake_up")
+            self._wake()
             actor.export_hf(folder)  # a collective: gathers the shards, merges LoRA; rank 0 writes
             barrier()
             _main_only(lambda: [self._reload(url, folder, version) for url in self.urls])
@@ -208,6 +208,7 @@ class VLLMEngine:
         """The rollout of this rank's prompts, sampled by its server: the hf engine's layout, with the engine's
         log-probs and the weight version that sampled it."""
         n = settings.n_samples_per_prompt
+        self._wake()
         url = self.urls[actor.dp_rank % len(self.urls)]
         prompts = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())]
         start = time.perf_counter()
@@ -249,8 +250,14 @@ class VLLMEngine:
 
     def after_rollout(self) -> None:
         """Colocated: free the engine's memory for the update."""
-        if self.settings.sleep:
+        if self.settings.sleep and not self.asleep:
             self._each_server("/sleep?level=1")
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self._each_server("/wake_up")
+            self.asleep = False
 
 
 def _tokens_and_logps(choice: dict) -> tuple[list[int], torch.Tensor]:
