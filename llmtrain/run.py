@@ -1,5 +1,6 @@
 """One run, in order: validate (every rank, nothing loaded) -> plan/dry run -> process group -> tokenizer
--> data -> model -> engine -> resume -> fit -> HF export. Builders get plain values, never the cfg."""
+-> data -> model -> engine -> resume -> fit -> HF export. The config stops at the builders of the registries (a
+stage's `build`, a backend's options): the classes they build take plain values."""
 
 from __future__ import annotations
 
