@@ -2,11 +2,14 @@
 loop (engine=hf) and TRL's GRPOTrainer (transformers generate), on a ~28M-parameter Llama with 128-token responses;
 and the weight sync's time (`sync_s`) against model size.
 
-    python benchmarks/throughput.py --suite rollout [--rounds 5] [--warmup 1] [--steps 3] [--only vllm hf trl]
+    python benchmarks/throughput.py --suite rollout --warmup 1 [--rounds 5] [--steps 3] [--no-sync] [--only WORD ...]
     python benchmarks/rollout.py trl-grpo --model DIR --prompts F --steps N --warmup W --out R.json
-    python benchmarks/rollout.py llmtrain --out R.json --warmup W -- key=value ...   # llmtrain_worker.py + engine metrics
+    python benchmarks/rollout.py llmtrain --out R.json --warmup W -- key=value ...  # llmtrain_worker + engine metrics
 
-Like for like, every contender in its own process (one torch thread), rounds alternating in a rotated order:
+Contenders: llmtrain GRPO with engine=vllm, with engine=hf, TRL's GRPOTrainer (HF generate with the KV cache; its
+vLLM modes need NCCL), and llmtrain engine=vllm with ppo.packing=true (padding-free experience and update; added after
+the README's 3-contender run, `--only` picks any). Like for like, every contender in its own process (one torch
+thread), rounds alternating in a rotated order:
 - the same model: ROLLOUT_MODEL (Llama, h=512, 8 layers, 8 heads of 64, MLP 1536, untied; 27.7M parameters),
   randomly initialised once (seed 1234) and saved with `save_pretrained`; the vocabulary is the shipped 263-token
   byte tokenizer's: the reversal prompts and reward are written in it, TRL decodes completions with it, and the
@@ -18,8 +21,9 @@ Like for like, every contender in its own process (one torch thread), rounds alt
   `taskset -c 1` with VLLM_CPU_OMP_THREADS_BIND=1) runs on core 1; every trainer (llmtrain vllm, llmtrain hf, TRL)
   runs under `taskset -c 0`. The hf and TRL contenders thus get one core, the vllm one two (trainer + engine): that
   is the engine's point (the server samples while nothing else runs there), and the table says so.
-EOS: a random-init model emits EOS with probability ~1/263 per token, so ~39% of responses stop before 128 tokens
-(expected length ~101). No contender is forced to full length (that would change the sampler); the figure of
+EOS: the random-init model stops early (at </s> or at byte 0x02, the eos of the checkpoint's generation_config.json
+that save_pretrained writes for a default Llama config; llmtrain and TRL both add it to the stop set): 58-71 tokens
+on average, measured. No contender is forced to full length (ignore_eos would change the sampler); the figure of
 merit counts the tokens actually generated (through the first EOS, as llmtrain's response_len and TRL's
 completion_mask count them) per second of wall clock over whole iterations, and the iteration time is reported
 beside it with the mean response length, so a contender that drew shorter responses shows it. Batched HF generation
@@ -54,7 +58,8 @@ TRAINER_CORE, ENGINE_CORE = "0", "1"
 # sync only: hidden, layers, heads (head_dim 64), MLP; ~7M, ~28M, ~113M parameters
 SYNC_SIZES = ((256, 8, 4, 768), (512, 8, 8, 1536), (768, 12, 12, 3072))
 SYNC_STEPS = 4
-CONTENDERS = ("llmtrain grpo, engine=vllm", "llmtrain grpo, engine=hf", "TRL GRPOTrainer")
+CONTENDERS = ("llmtrain grpo, engine=vllm", "llmtrain grpo, engine=hf", "TRL GRPOTrainer",
+              "llmtrain grpo, engine=vllm, packed")  # the last: ppo.packing=true (padding-free experience, update)
 
 
 def set_constants() -> None:
@@ -91,18 +96,18 @@ def contenders(args, work: Path, tmp: Path, model: str, prompts: Path) -> dict:
     steps = args.warmup + args.steps
     pin = ("taskset", "-c", TRAINER_CORE)
 
-    def llmtrain(engine: str):
+    def llmtrain(engine: str, *extra: str):
         def argv(out: str, first: bool) -> list[str]:
             run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{engine}-"))
             return [*pin, T.PY, str(Path(__file__).resolve()), "llmtrain", "--out", out, "--warmup",
-                    str(args.warmup), "--", *llmtrain_overrides(engine, model, prompts, run_dir, steps, work)]
+                    str(args.warmup), "--", *llmtrain_overrides(engine, model, prompts, run_dir, steps, work), *extra]
         return argv
 
     def trl(out: str, first: bool) -> list[str]:
         return [*pin, T.PY, str(Path(__file__).resolve()), "trl-grpo", "--model", model, "--prompts", str(prompts),
                 "--steps", str(steps), "--warmup", str(args.warmup), "--out", out]
 
-    found = dict(zip(CONTENDERS, (llmtrain("vllm"), llmtrain("hf"), trl)))
+    found = dict(zip(CONTENDERS, (llmtrain("vllm"), llmtrain("hf"), trl, llmtrain("vllm", "ppo.packing=true"))))
     return T.selected(found, args.only)
 
 
@@ -187,7 +192,7 @@ def summarise(runs: list[dict]) -> dict:
     summary = report.per_contender(runs, "steps_per_s", one)
     trl = summary.get("TRL GRPOTrainer", {})
     summary["_ratios"] = {}
-    for name in CONTENDERS[:2]:
+    for name in (CONTENDERS[0], CONTENDERS[1], CONTENDERS[3]):
         ours = summary.get(name, {})
         if "steps_per_s" in ours and "steps_per_s" in trl:
             summary["_ratios"][f"{name} / TRL GRPOTrainer"] = {
@@ -223,7 +228,8 @@ def table(result: dict) -> str:
             lines.append(f"| {name} | failed: {e['error'][:80]} |" + " |" * (len(COLUMNS) - 2))
             continue
         med = lambda key: e[key]["median"]  # noqa: E731
-        lines.append(f"| {name} | {med('iteration_s'):.2f} | {e['iteration_s']['min']:.2f}–{e['iteration_s']['max']:.2f}"
+        spread = f"{e['iteration_s']['min']:.2f}–{e['iteration_s']['max']:.2f}"
+        lines.append(f"| {name} | {med('iteration_s'):.2f} | {spread}"
                      f" | {med('generated_tokens_per_s'):,.0f} | {med('rollout_tokens_per_s'):,.0f} "
                      f"| {med('mean_response_len'):.1f} | {med('time_rollout_s'):.2f} | {med('time_experience_s'):.2f} "
                      f"| {med('time_update_s'):.2f} | {med('peak_rss_mb'):,.0f} | {med('others_load_cores'):.2f} |")
@@ -243,7 +249,8 @@ def table(result: dict) -> str:
         for row in result["sync"]:
             shape = f"h={row['hidden']} × {row['layers']} layers"
             if "error" in row:
-                lines.append(f"| {shape} | {row['parameters']:,} | {row['fp32_mb']:.0f} | failed: {row['error'][:60]} | | |")
+                lines.append(f"| {shape} | {row['parameters']:,} | {row['fp32_mb']:.0f} | failed: "
+                             f"{row['error'][:60]} | | |")
                 continue
             mx = max((v for v in row["sync_max_abs"] if v is not None), default=float("nan"))
             lines.append(f"| {shape} | {row['parameters']:,} | {row['fp32_mb']:.0f} | {row['sync_s_median']:.2f} | "

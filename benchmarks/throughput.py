@@ -421,7 +421,8 @@ def main() -> None:
         work.mkdir()
         info = prepare(work)
         host = machine()
-        size = "" if args.suite in ("ppo", "lora", "rollout") else f"{info['parameters']:,} parameters, "  # ppo: the sft_tiny base
+        own_model = args.suite in ("ppo", "lora", "rollout")  # ppo, lora: the sft_tiny base; rollout: its own
+        size = "" if own_model else f"{info['parameters']:,} parameters, "
         print(f"suite {args.suite}: {size}{args.rounds} round(s), warm-up {args.warmup} + "
               f"{args.steps} timed steps; load average {host['load_average_before']}", flush=True)
         body = suite(args, work, tmp, info)
@@ -436,7 +437,7 @@ def main() -> None:
               "data": dict(C.DATA, **info["data"], max_seq_len=C.MAX_SEQ_LEN), "optim": C.OPTIM,
               "global_batch": {"unpacked_samples": C.GLOBAL_BATCH_SAMPLES, "packed_rows": C.GLOBAL_BATCH_ROWS_PACKED},
               "wall_s": time.time() - started, **body}
-    if args.suite in ("preference", "ppo", "lora", "rollout"):  # trains on its own pairs or prompts and batch, not the SFT samples
+    if args.suite in ("preference", "ppo", "lora", "rollout"):  # own pairs or prompts and batch, not SFT samples
         result.pop("data"), result.pop("global_batch")
     if args.suite in ("ppo", "lora", "rollout"):  # its own model (result[suite]["model"]), not common.MODEL
         result.pop("model")
