@@ -219,13 +219,12 @@ def table(result: dict) -> str:
              f"the vLLM server on core {p['engine_core']}. Median over {result['settings']['rounds']} rounds of "
              f"{result['settings']['steps']} timed iterations after {result['settings']['warmup']} warm-up. Others' "
              f"load before the runs {p['others_load_before_cores']:.2f} cores.", "",
-             "| " + " | ".join(c.rstrip(":") for c in COLUMNS) + " |",
-             "|" + "|".join("---:" if c.endswith(":") else "---" for c in COLUMNS) + "|"]
+             *report._header(*COLUMNS)]
     for name, e in s.items():
         if name.startswith("_"):
             continue
         if "error" in e:
-            lines.append(f"| {name} | failed: {e['error'][:80]} |" + " |" * (len(COLUMNS) - 2))
+            lines.append(report._failed_row(name, f"failed: {e['error'][:80]}", len(COLUMNS)))
             continue
         med = lambda key: e[key]["median"]  # noqa: E731
         spread = f"{e['iteration_s']['min']:.2f}–{e['iteration_s']['max']:.2f}"
