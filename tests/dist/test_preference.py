@@ -99,8 +99,10 @@ def test_the_fused_head_equals_full_logits_under_fsdp2(runs, stage, assert_close
     relative on the first step, 1e-5 after."""
     fused = read_metrics(runs(f"{stage}_fsdp2"))
     full = read_metrics(runs(f"{stage}_fsdp2_full_logits"))
+    # the margin is β × a difference of sequence log-prob sums of tens of nats: one fp32 ulp of such a sum is ~4e-6,
+    # so the fused head's other summation order moves it by ~1e-7 (seen: 1.2e-7 apart at a margin of 2.7e-4)
     for key in ("loss", "grad_norm", "reward_margin"):
-        assert_close_series(fused[0], full[0], key, 1e-6, 1e-5, atol=1e-7 if key == "reward_margin" else 0.0)
+        assert_close_series(fused[0], full[0], key, 1e-6, 1e-5, atol=1e-6 if key == "reward_margin" else 0.0)
     assert_close_series(fused[1], full[1], "eval_loss", 1e-6, 1e-5)
 
 
