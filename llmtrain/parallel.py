@@ -32,7 +32,8 @@ class DistContext:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the rendezvous, a local inference server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -43,7 +44,7 @@ def ensure_rendezvous_env() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 
 
@@ -62,13 +63,13 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-
 def resolve_precision(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return "bf16"
     return "fp32"  # CPU: bf16 autocast is ~35x slower than fp32 here
+
 
 def _restart_safe_store(timeout: datetime.timedelta) -> dict:
     """init_process_group's store under a torchrun restart: the keys of this attempt only.

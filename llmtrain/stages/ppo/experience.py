@@ -57,8 +57,7 @@ class Experience:
         return cls(sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
                    old_logps=zeros(), ref_logps=zeros(), values=zeros(), token_rewards=zeros(), advantages=zeros(),
                    returns=zeros(), scores=scores.float(), kl=zeros(), ended=rollout.ended,
-                   engine_logps=zeros() if rollout.engine_logps is None else rollout.engine_logps.float(),
-                   is_weights=torch.ones(rollout.action_mask.shape, device=rollout.sequences.device))
+                   engine_logps=None if rollout.engine_logps is None else rollout.engine_logps.float())
 
     @property
     def num_actions(self) -> int:

@@ -52,7 +52,6 @@ class Rollout:
     # (B, A) fp32: each action's log-prob as the sampler drew it (after temperature / top-k / top-p; 0 off the mask):
     # the behaviour policy's, which the train-inference mismatch compares with the trainer's
     engine_logps: torch.Tensor | None = None
-    weight_version: str | None = None  # the engine's weights that sampled every token (engine=vllm)
 
     @property
     def num_actions(self) -> int:
@@ -174,7 +173,7 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
 
 
 def laid_out(ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor, logps: torch.Tensor, batch: PromptBatch,
-             n: int, eos_ids: list[int], pad_token_id: int, group, **extra) -> Rollout:
+             n: int, eos_ids: list[int], pad_token_id: int, group, gather_s: float = 0.0) -> Rollout:
     """The rollout from (B, P) left-padded prompts and (B, a) drawn responses with their (B, a) log-probs: responses
     cut after the first EOS and right-padded to the longest on any rank (every engine lays rollouts out so)."""
     eos = torch.tensor(eos_ids, device=responses.device)
@@ -188,7 +187,7 @@ def laid_out(ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor, log
     return Rollout(sequences=torch.cat([ids, responses], 1), attention_mask=torch.cat([mask, action_mask.long()], 1),
                    action_mask=action_mask, ended=ended, prompts=_repeat(batch.prompts, n),
                    columns={k: _repeat(v, n) for k, v in batch.columns.items()},
-                   real=batch.real.repeat_interleave(n, 0), engine_logps=logps, **extra)
+                   real=batch.real.repeat_interleave(n, 0), engine_logps=logps, gather_s=gather_s)
 
 
 def padded_prompts(batch: PromptBatch, n: int, pad_token_id: int, group) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,6 @@ from llmtrain.stages.ppo import rollout
 
 class HFEngine:
     """The actor samples its own rollouts: nothing to start, nothing to sync."""
-    name = "hf"
-    weight_version = None
 
     def start(self, actor) -> None:
         del actor

@@ -77,8 +77,6 @@ def _from_main(value):
 
 
 class VLLMEngine:
-    name = "vllm"
-
     def __init__(self, settings: VLLMSettings):
         self.settings = settings
         self.urls = list(settings.urls)
@@ -206,12 +204,11 @@ class VLLMEngine:
     def generate(self, actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int,
                  eos_ids: list[int], seed: int, group=None) -> Rollout:
         """The rollout of this rank's prompts, sampled by its server: the hf engine's layout, with the engine's
-        log-probs and the weight version that sampled it."""
+        log-probs; every token must come from the version synced last (`_check_versions`)."""
         n = settings.n_samples_per_prompt
         self._wake()
         url = self.urls[actor.dp_rank % len(self.urls)]
         prompts = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())]
-        start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
             answers = list(pool.map(lambda item: self._request(url, item[1], settings, eos_ids, seed + item[0]),
                                     enumerate(prompts)))
@@ -228,8 +225,8 @@ class VLLMEngine:
             tokens, values = _tokens_and_logps(choice)
             responses[i, :len(tokens)], logps[i, :len(values)] = torch.tensor(tokens, dtype=torch.long), values
         device = ids.device
-        return laid_out(ids, mask, responses.to(device), logps.to(device), batch, n, eos_ids, pad_token_id, group,
-                        gather_s=time.perf_counter() - start, weight_version=self.weight_version)
+        # nothing to gather (gather_s 0): the requests' time is the rollout's, which the stage times
+        return laid_out(ids, mask, responses.to(device), logps.to(device), batch, n, eos_ids, pad_token_id, group)
 
     def _request(self, url: str, prompt: list[int], settings: SamplingSettings, eos_ids: list[int],
                  seed: int) -> list[dict]:

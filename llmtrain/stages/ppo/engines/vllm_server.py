@@ -10,15 +10,16 @@ fp32 checkpoint into bf16), `--generation-config vllm` (its `auto` applies the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmtrain.parallel import free_port
 from llmtrain.stages.ppo.engines.http import EngineError, reachable
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,6 @@ class ServerSettings:
     gpu_memory_utilization: float = 0.9
     start_timeout_s: float = 600.0
     args: tuple[str, ...] = field(default_factory=tuple)  # passed through (--tensor-parallel-size 2, ...)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(settings: ServerSettings, model_dir: Path, port: int, gpu: bool) -> list[str]:
@@ -98,24 +93,14 @@ class VLLMServer:
         except OSError:
             return ""
 
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
     def stop(self) -> None:
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=30)
             except (subprocess.TimeoutExpired, ProcessLookupError):
-                with _quiet():
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
         self._log.close()
 
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, traceback) -> bool:
-        return kind is ProcessLookupError
