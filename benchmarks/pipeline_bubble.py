@@ -75,8 +75,9 @@ def worker(args) -> None:
     from llmtrain.backends.base import OptimizerSpec
     from llmtrain.backends.pipeline_engine import PipelineEngine
     from llmtrain.data.collate import collate
+    from llmtrain.distributed import init_distributed
     from llmtrain.metrics.live import SavedTensorMeter
-    from llmtrain.parallel import ParallelDims, init_distributed
+    from llmtrain.parallel import ParallelDims
     from llmtrain.stages.causal_lm import CausalLMStage
 
     ctx = init_distributed("cpu", 600)
@@ -85,7 +86,7 @@ def worker(args) -> None:
                                 num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=args.layers,
                                 vocab_size=256, tie_word_embeddings=False, use_cache=False)
     model = AutoModelForCausalLM.from_config(arch, attn_implementation="sdpa")
-    dims = ParallelDims.build(1, -1, 1, ctx.world_size, pp=ctx.world_size).on("cpu")
+    dims = ParallelDims.build(ctx.world_size, pp=ctx.world_size).on("cpu")
     optim = OptimizerSpec(lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
                           min_lr_ratio=0.0, max_grad_norm=1.0, max_steps=100)
     engine = PipelineEngine(model, optim, ctx, "fp32", dims, schedule=args.schedule, virtual_stages=args.virtual,
@@ -141,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(argparse.Namespace(**json.loads(os.environ["PIPELINE_BUBBLE"])))
-    from llmtrain.plan_pp import bubble_fraction
+    from llmtrain.plan.pp import bubble_fraction
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     print(f"{'schedule':>17} {'M':>2} {'rank':>4} {'step s':>7} {'bubble':>7} {'formula':>7} {'in flight':>9} "

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from llmtrain.compose import compose_config
     from llmtrain.data.errors import DataConfigError
+    from llmtrain.distributed import env_rank
     from llmtrain.faults import CollectiveFailure
-    from llmtrain.parallel import env_rank
     from llmtrain.run import run
     from llmtrain.trainer import NonFiniteError
 
@@ -86,6 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from llmtrain.parallel import exit_process
+    from llmtrain.distributed import exit_process
 
     exit_process(main())

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmtrain.distributed import DistContext, barrier
 from llmtrain.faults import inject
-from llmtrain.parallel import DistContext, barrier
 
 log = logging.getLogger(__name__)
 

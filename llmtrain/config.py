@@ -32,7 +32,22 @@ class TrainerConfig:
 
 
 @dataclass
+class MuonConfig:
+    """optim.name=muon (llmtrain/optim): torch.optim.Muon on the hidden matrices, AdamW (OptimConfig's) on the rest."""
+    lr: Optional[float] = None  # null: optim.lr (adjust_lr_fn=match_rms_adamw makes the AdamW lr carry over)
+    weight_decay: Optional[float] = None  # null: optim.weight_decay
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    eps: float = 1e-7
+    adjust_lr_fn: str = "match_rms_adamw"  # | original (Keller Jordan's; torch's default)
+    experts: str = "per_matrix"  # 3-D MoE weights: Muon on each expert matrix | adamw
+
+
+@dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon
     lr: float = 3e-4
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -41,6 +56,7 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
+    muon: MuonConfig = field(default_factory=MuonConfig)  # read under name=muon only
 
 
 @dataclass

@@ -21,7 +21,7 @@ import signal
 
 import torch
 
-from llmtrain.parallel import abandon_process_group, all_reduce_max
+from llmtrain.distributed import abandon_process_group, all_reduce_max
 
 log = logging.getLogger(__name__)
 

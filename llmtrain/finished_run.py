@@ -121,7 +121,12 @@ class FinishedRun:
         tokenizer = self.tokenizer()
         score = self._reward_model_scores() if self.spec.pair_scores == "scalar" else self._implicit_rewards()
         pairs = []
-        for rows in chunks(self.held_out(tokenizer), batch_size):
+        held_out = self.held_out(tokenizer)
+        if self.spec.unpaired:  # KTO's rows unpaired from held-out pairs: paired again
+            from llmtrain.data.unpaired_format import pairs_of
+
+            held_out = pairs_of(held_out)
+        for rows in chunks(held_out, batch_size):
             sides = [{"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]}
                      for side in ("chosen", "rejected") for r in rows]
             rewards = score(collate(sides, tokenizer.pad_token_id)).tolist()  # (2P,): chosen, then rejected

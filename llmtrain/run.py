@@ -16,10 +16,18 @@ from omegaconf import DictConfig, OmegaConf
 from llmtrain import checkpoint as ckpt
 from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
-from llmtrain.backends.spec import sp_of, tp_of
 from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
 from llmtrain.data.sequence_shard import sequence_preparer
+from llmtrain.distributed import (
+    DistContext,
+    env_world_size,
+    init_distributed,
+    quiesce,
+    resolve_device,
+    resolve_precision,
+    shutdown,
+)
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.attention import SEGMENT_ATTENTION
@@ -34,22 +42,15 @@ from llmtrain.models.load import (
 )
 from llmtrain.models.lora import LoraSettings
 from llmtrain.models.ulysses import ulysses_attention
-from llmtrain.parallel import (
-    DistContext,
-    env_world_size,
-    init_distributed,
-    quiesce,
-    resolve_device,
-    resolve_precision,
-    shutdown,
-)
-from llmtrain.plan import plan_run
-from llmtrain.plan_core import RunPlan, check_backend_against_model
-from llmtrain.plan_fit import run_fit_problems
+from llmtrain.optim.spec import muon_spec
+from llmtrain.parallel import degree_of
+from llmtrain.plan.core import RunPlan, check_backend_against_model
+from llmtrain.plan.fit import run_fit_problems
+from llmtrain.plan.report import plan_run
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
 from llmtrain.stages.base import trainable_roles
-from llmtrain.stages.registry import build_stage, load_stage_data, stage_roles, stage_spec
+from llmtrain.stages.registry import build_stage, decide_attention, load_stage_data, stage_roles, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
 from llmtrain.validation import validate
 
@@ -68,7 +69,8 @@ def optimizer_spec(cfg: DictConfig, updates_per_step: int = 1) -> OptimizerSpec:
     o = cfg.optim
     return OptimizerSpec(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                          warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
-                         max_grad_norm=o.max_grad_norm, max_steps=cfg.trainer.max_steps * updates_per_step)
+                         max_grad_norm=o.max_grad_norm, max_steps=cfg.trainer.max_steps * updates_per_step,
+                         muon=muon_spec(o))
 
 
 def backend_options(cfg: DictConfig, run_dir: Path) -> dict:
@@ -110,11 +112,10 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
     if ctx.is_main:
         log.info("plan:\n%s", plan.text)
     tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
-    attn = resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout)
-    attn = SEGMENT_ATTENTION if sp_of(cfg.backend) > 1 else attn  # Ulysses wraps sdpa_segments (validated)
     configs = [model_config(r.source.name_or_path, r.source.from_config, r.source.config_path,
                             r.source.trust_remote_code, vocab_size=len(tokenizer)) for r in stage_roles(cfg).values()]
-    attn = attention_for_family(attn, m.attn_implementation, configs)  # what each role's class supports (Gemma-2)
+    attn = decide_attention(cfg, resolve_attn_implementation(m.attn_implementation, ctx.device, precision, m.dropout),
+                            lambda a: attention_for_family(a, m.attn_implementation, configs))
     stage = build_stage(cfg, tokenizer, attn)  # may give the tokenizer what its roles need (a pad token != eos)
     try:
         _train_stage(cfg, ctx, run_dir, precision, plan, resume_dir, tokenizer, stage, attn, configs)
@@ -125,7 +126,6 @@ def _train(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, pla
 def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: str, plan: RunPlan,
                  resume_dir: Path | None, tokenizer, stage, attn: str, configs: list) -> None:
     m, d, t = cfg.model, cfg.data, cfg.trainer
-    attn = attention_for_family(stage.attention(attn), m.attn_implementation, configs)  # PPO: left padding, a mask
     if packs_rows(cfg, attn):
         problems = packed_window_problems(attn, configs, d.max_seq_len)
         if problems:
@@ -211,7 +211,7 @@ def fused_head(cfg: DictConfig, ctx: DistContext) -> tuple[int | None, str]:
         if ctx.is_main:
             log.info("LM head and loss: full (tokens, V) logits (model.fused_loss=off)")
         return None, "chunked"
-    kernel, why = head_kernel(m.fused_loss, ctx.device.type, tp_of(cfg.backend), cfg.stage.name,
+    kernel, why = head_kernel(m.fused_loss, ctx.device.type, degree_of(cfg.backend, "tp"), cfg.stage.name,
                               stage_spec(cfg.stage.name).lm_loss_sum, liger_installed())
     if ctx.is_main:
         chunk = m.loss_chunk_tokens or "V- and h-sized"

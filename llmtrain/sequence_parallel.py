@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.backends.spec import sp_of
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.load import local_model_config, unsupported_attention
+from llmtrain.parallel import degree_of
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
 SP_ATTENTIONS = ("auto", SEGMENT_ATTENTION)  # the attention run on whole rows after the exchange
@@ -16,7 +16,7 @@ SP_ATTENTIONS = ("auto", SEGMENT_ATTENTION)  # the attention run on whole rows a
 
 def sp_problems(cfg: Any) -> list[str]:
     """The stage, the attention and the model family under backend.sp > 1."""
-    sp = sp_of(cfg.backend)  # 1 for a backend without the field (ddp)
+    sp = degree_of(cfg.backend, "sp")  # 1 for a backend without the field (ddp)
     if sp == 1 or cfg.stage.name not in stage_names():
         return []
     spec, problems = stage_spec(cfg.stage.name), []

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from llmtrain.distributed import DistContext
 from llmtrain.faults import StopSignals, agree_to_stop, collective_guard, inject
 from llmtrain.metrics.live import NoLiveCost
 from llmtrain.metrics.memory import gather_per_rank
-from llmtrain.parallel import DistContext
 from llmtrain.stages.base import NonFiniteError, Updater, trainable_roles  # noqa: F401  (NonFiniteError: re-export)
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from llmtrain.data.prompts import PROMPT_FORMATS
 from llmtrain.models.liger import fused_loss_problems
 from llmtrain.models.load import family_attention_problems, local_model_config
 from llmtrain.models.lora_checks import PEFT_METHODS, peft_problems, qlora_problems
+from llmtrain.optim.spec import OPTIMIZERS, optim_problems
 from llmtrain.sequence_parallel import sp_problems
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
@@ -80,14 +81,20 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += sp_problems(cfg)
     problems += pipeline_problems(cfg, stage_spec(cfg.stage.name))
     problems += head_problems(cfg)
+    problems += optim_problems(cfg) + _backend_optimizer_problems(cfg)
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
+
+
+def _backend_optimizer_problems(cfg: Any) -> list[str]:
+    spec = BACKENDS.get(cfg.backend.name)
+    return [] if spec is None or cfg.optim.name not in OPTIMIZERS else spec.optimizer_problems(cfg.backend, cfg)
 
 
 def head_problems(cfg: Any) -> list[str]:
     """An explicit model.fused_loss=liger this device, layout or stage cannot run (models/liger.py)."""
     if cfg.stage.name not in stage_names():
         return []
-    from llmtrain.parallel import resolve_device
+    from llmtrain.distributed import resolve_device
 
     return fused_loss_problems(cfg, resolve_device(cfg.device).type, stage_spec(cfg.stage.name).lm_loss_sum)
 

@@ -1,6 +1,7 @@
 """Plain helpers shared by every test folder and by the workers (tests/*/workers/): the repo's paths, a saved tiny
-model folder, CLI runners, metrics readers, assertions on a run's exit, and the recipe files of the ${base:...}
-tests. Fixtures live in the conftest.py files; this module holds no fixture and no test."""
+model folder, the tiny Llama's config and model, CLI runners, metrics readers, assertions on a run's exit, and the
+recipe files of the ${base:...} tests. Fixtures live in the conftest.py files; this module holds no fixture and no
+test."""
 
 from __future__ import annotations
 
@@ -31,6 +32,32 @@ def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, h
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# The tiny Llama of the unit tests (and save_tiny_model's sizes): 263 = the shipped tokenizer's vocabulary. A test
+# names what it changes (`tiny_llama_config(hidden_size=32, max_position_embeddings=64)`); fields not named here keep
+# transformers' defaults (max_position_embeddings 2048).
+TINY_LLAMA = dict(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+
+
+def tiny_llama_config(**overrides):
+    """A LlamaConfig of TINY_LLAMA's sizes, OVERRIDES on top (any LlamaConfig field)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+def tiny_llama(seed: int | None = 0, attn_implementation: str | None = None, **overrides):
+    """A randomly initialised causal LM of tiny_llama_config(**OVERRIDES), after torch.manual_seed(SEED) (None: the
+    global generator as it is), by AutoModelForCausalLM.from_config (the same weights as LlamaForCausalLM(config))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    attention = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return AutoModelForCausalLM.from_config(tiny_llama_config(**overrides), **attention)
 
 
 def cli_env(**extra: str) -> dict:

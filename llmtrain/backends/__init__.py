@@ -11,8 +11,10 @@ import importlib
 from typing import Any, Callable
 
 from llmtrain.backends import ddp_spec, deepspeed_spec, fsdp2_spec
-from llmtrain.backends.spec import BackendSpec, flat_data_parallel, no_problems
-from llmtrain.parallel import DIMS, PLANNED_DIMS, PP_DIM, DistContext, ParallelDims
+from llmtrain.backends.spec import BackendSpec, no_problems
+from llmtrain.distributed import DistContext
+from llmtrain.parallel import DIMENSIONS, PLANNED, ParallelDims, degrees_of
+from llmtrain.parallel.dimension import carved_dimensions, mesh_order
 
 BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (ddp_spec.SPEC, deepspeed_spec.SPEC, fsdp2_spec.SPEC)}
 
@@ -72,32 +74,41 @@ def backend_problems(backend: Any, world_size: int) -> list[str]:
         extra = [key for key in backend if key not in group.fields()]
         if extra:
             return [_misplaced(key, f"backend.{key}", group) for key in extra]
-    return named.problems(backend, world_size) if named is not None else []
+    if named is None:
+        return []
+    return ParallelDims.problems(world_size, backend, **degrees_of(backend)) + named.problems(backend, world_size)
 
 
 def backend_model_problems(backend: Any, world_size: int, load_arch: Callable[[], Any]) -> list[str]:
-    """What the chosen backend needs from the model's architecture config (config.json, no weights), read by
-    `load_arch()` only for a backend that has such checks."""
+    """What the chosen backend and its parallel dimensions need from the model's architecture config (config.json, no
+    weights), read by `load_arch()` only when a dimension is set or the backend has such checks."""
     spec = spec_of(backend)
-    if spec is None or spec.model_problems is no_problems:
+    if spec is None or backend_problems(backend, world_size):
         return []
-    return spec.model_problems(backend, world_size, load_arch())
+    dims = ParallelDims.of(backend, world_size)
+    if spec.model_problems is no_problems and dims.dp_size == world_size and dims.ep == 1:
+        return []
+    arch = load_arch()
+    return dims.model_problems(backend, arch) + spec.model_problems(backend, world_size, arch)
+
+
+def backend_plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
+    """backend_model_problems on the planner's model facts (models/facts.ModelFacts: no transformers config)."""
+    spec = spec_of(backend)
+    if spec is None or backend_problems(backend, world_size):
+        return []
+    return ParallelDims.of(backend, world_size).facts_problems(backend, facts) + \
+        spec.plan_problems(backend, world_size, facts)
 
 
 def parallel_degrees(backend: Any) -> dict[str, int]:
     """{dimension: degree} the backend config asks for (dp_shard -1: the rest of the world)."""
-    spec = spec_of(backend)
-    return spec.degrees(backend) if spec is not None else flat_data_parallel(backend)
+    return degrees_of(backend)
 
 
 def data_parallel_size(backend: Any, world_size: int) -> int:
-    """Ranks that see different data (tensor-parallel peers share theirs), from the run's ParallelDims; for degrees
-    that do not fit the world (reported by the backend check) world // tp."""
-    degrees = parallel_degrees(backend)
-    named = {name: degrees.get(name, 1) for name in (*DIMS, PP_DIM)}
-    if ParallelDims.problems(world_size=world_size, **named):
-        return max(1, world_size // max(1, degrees["tp"] * degrees.get("sp", 1) * degrees.get(PP_DIM, 1)))
-    return ParallelDims.build(world_size=world_size, **named).dp_size
+    """Ranks that see different data (ParallelDims.data_parallel_size)."""
+    return ParallelDims.data_parallel_size(degrees_of(backend), world_size)
 
 
 def backends_that(capability: str) -> tuple[str, ...]:
@@ -134,8 +145,9 @@ def _misplaced(field: str, key: str, chosen: BackendSpec) -> str:
     has = f"backend {chosen.name} has: {', '.join(chosen.fields())}"
     if owners:
         where = " and ".join(f"the {s.name} backend ({s.presets_hint()})" for s in owners)
-        return f"backend.{field} is a field of {where}; {has}"
-    if field in PLANNED_DIMS:
-        return (f"backend.{field}: no backend has {PLANNED_DIMS[field]} yet (the layout's dimensions: "
-                f"{' × '.join(DIMS)}); {has}")
+        why = DIMENSIONS[field].elsewhere if field in DIMENSIONS else ""
+        return f"backend.{field} is a field of {where}{f' ({why})' if why else ''}; {has}"
+    if field in PLANNED:
+        return (f"backend.{field}: no backend has {PLANNED[field]} yet (the layout's dimensions: "
+                f"{' × '.join(d.name for d in mesh_order())}; {', '.join(carved_dimensions())}); {has}")
     return f"{key} is not a field of any backend ({', '.join(BACKENDS)}); {has}"

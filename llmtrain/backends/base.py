@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from llmtrain.optim.spec import MuonSpec
+
 if TYPE_CHECKING:
-    from llmtrain.parallel import DistContext, ParallelDims
+    from llmtrain.distributed import DistContext
+from llmtrain.parallel import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class OptimizerSpec:
     min_lr_ratio: float
     max_grad_norm: float  # 0: no clipping
     max_steps: int
+    muon: MuonSpec | None = None  # optim.name=muon: Muon for the hidden matrices (llmtrain/optim)
 
 
 class Engine(Protocol):
@@ -116,20 +120,16 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, schedule: str, mi
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay on matrices (weights, embeddings), none on biases and norm scales (ndim < 2)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the data is a 1-D shard, ds_shape the full
-            (decay if len(shape) >= 2 else no_decay).append(param)
-    # An empty group is left out (LoRA trains matrices only): DeepSpeed's ZeRO optimizers drop it, and the
-    # scheduler would then step one lr more than there are groups.
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+    from llmtrain.optim.build import adamw_groups
+
+    return adamw_groups(list(model.parameters()), weight_decay)
 
 
 def build_adamw(model: torch.nn.Module, spec: OptimizerSpec, fused: bool = False) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas,
-                             eps=spec.eps, fused=fused or None)
+    """The run's optimizer (optim.name: AdamW, or Muon + AdamW): llmtrain.optim.build.build_optimizer."""
+    from llmtrain.optim.build import build_optimizer
+
+    return build_optimizer(model, spec, fused=fused)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> torch.optim.lr_scheduler.LRScheduler:

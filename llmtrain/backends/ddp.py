@@ -25,7 +25,8 @@ from llmtrain.backends.base import (
     save_hf,
     trainable_state_dict,
 )
-from llmtrain.parallel import DistContext, ParallelDims
+from llmtrain.distributed import DistContext
+from llmtrain.parallel import ParallelDims
 
 
 def load_file(path: Path) -> dict:

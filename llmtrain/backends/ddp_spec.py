@@ -22,7 +22,7 @@ class DDPConfig(BackendNode):
 
 def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
     t, f = r.trainable, r.frozen
-    return StateBytes(weights=4 * (t + f), master=0.0, grads=4 * t, optim=8 * t,
+    return StateBytes(weights=4 * (t + f), master=0.0, grads=4 * t, optim=4 * r.optim_floats * t,
                       gathered=2 * t if elem_bytes(precision) == 2 else 0.0)
 
 

@@ -43,8 +43,10 @@ from llmtrain.backends.deepspeed_config import AUTO, AUTO_SIZED, DeepSpeedSettin
 from llmtrain.backends.deepspeed_memory import measure_model_states, storage_ledger
 from llmtrain.backends.deepspeed_ops import build_offload_adam, check_ops, import_deepspeed, warn_stale_build_locks
 from llmtrain.config import ConfigError
+from llmtrain.distributed import DistContext, barrier
 from llmtrain.models.lora import is_peft
-from llmtrain.parallel import DistContext, ParallelDims, barrier
+from llmtrain.optim.zero_layout import attach_zero_layouts
+from llmtrain.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,14 @@ class DeepSpeedEngine:
             if not self.optimizer_name.startswith("DeepSpeedCPUAdam"):
                 config["zero_force_ds_cpu_optimizer"] = False
         else:
-            self.optimizer, self.optimizer_name = build_adamw(model, optim), "torch.optim.AdamW"
+            self.optimizer = build_adamw(model, optim)
+            self.optimizer_name = type(self.optimizer).__name__
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
                                                 config=config, dist_init_required=False)
         self.module = self.ds  # forward through the engine: ZeRO-3 gathers parameters in its hooks
         self.model = self.ds.module
+        attach_zero_layouts(self.ds.optimizer, self.optimizer)  # optim=muon: where its matrices lie in the partitions
         # ZeRO-0 in fp32 runs our optimizer unwrapped: DeepSpeed neither computes the norm nor checks it.
         # (BF16_Optimizer, ZeRO-1 under bf16, sets _global_grad_norm only in its first step: test identity.)
         self._own_norm = self.ds.optimizer is self.optimizer
@@ -246,6 +250,12 @@ class DeepSpeedEngine:
             self.ds.load_checkpoint(str(directory), tag=TAG)
             self._after_load()
             return
+        if any(group.get("muon") for group in self.optimizer.param_groups):
+            raise ConfigError(
+                f"resume: {directory} was saved with ZeRO-{meta['zero_stage']} on {meta['dp_size']} ranks, this run is "
+                f"ZeRO-{self.stage} on {self.zero_ranks}, and optim=muon: DeepSpeed's universal checkpoint (how ZeRO "
+                "reshards) carries Adam's moments only, not Muon's momentum; resume on the same ranks and stage, or "
+                "with backend=fsdp2 (its checkpoints reshard with Muon), or from the Hugging Face export")
         if meta["zero_stage"] != self.stage and {meta["zero_stage"], self.stage} != {1, 2} or self.stage == 0:
             raise ConfigError(
                 f"resume: {directory} was saved with ZeRO-{meta['zero_stage']} on {meta['dp_size']} ranks, this run "

@@ -12,9 +12,9 @@ gradients) and, with parameter offload, the ZeRO-3 weight partitions in host mem
 from __future__ import annotations
 
 from llmtrain.backends.deepspeed_config import DeepSpeedConfig, deepspeed_problems
-from llmtrain.backends.spec import BackendSpec, sp_of
+from llmtrain.backends.spec import BackendSpec
 from llmtrain.metrics.cost import OFF_DEVICE, Collective, Layout, RoleParams, StateBytes, elem_bytes, grad_elem_bytes
-from llmtrain.parallel import ParallelDims
+from llmtrain.optim.spec import MUON_FIX
 
 ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default (numel); llmtrain does not set it
 
@@ -22,10 +22,11 @@ ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default 
 def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> StateBytes:
     t, f, n, w, mixed = r.trainable, r.frozen, lay.shards, elem_bytes(precision), elem_bytes(precision) == 2
     if lay.stage == 0:
-        return StateBytes(weights=w * (t + f), master=4 * t if mixed else 0.0, grads=w * t, optim=8 * t, gathered=0.0)
+        return StateBytes(weights=w * (t + f), master=4 * t if mixed else 0.0, grads=w * t,
+                          optim=4 * r.optim_floats * t, gathered=0.0)
     whole_grads = lay.stage == 1 and (mixed or accum > 1)
     s = StateBytes(weights=w * ((t + f) / n + r.persistent) if lay.stage == 3 else w * (t + f), master=4 * t / n,
-                   grads=4 * t if whole_grads else 4 * t / n, optim=8 * t / n,
+                   grads=4 * t if whole_grads else 4 * t / n, optim=4 * r.optim_floats * t / n,
                    gathered=w * r.working if lay.stage == 3 else 0.0)
     off = {"cpu": 0.0, "nvme": 0.0}
     if lay.offload_optimizer in OFF_DEVICE:
@@ -80,30 +81,19 @@ def layout(name: str, backend: DeepSpeedConfig, dims, hidden: int) -> Layout:
                   persistence_threshold=10 * hidden if threshold == "auto" else int(threshold))
 
 
-def degrees(backend: DeepSpeedConfig) -> dict[str, int]:
-    """Every rank in one ZeRO group; sp ranks share their rows (data parallel = world / sp)."""
-    return {"dp_replicate": 1, "dp_shard": -1, "sp": sp_of(backend), "tp": 1}
-
-
-def problems(backend: DeepSpeedConfig, world_size: int) -> list[str]:
-    sp = sp_of(backend)
-    if sp >= 1 and world_size % sp:  # DeepSpeed has no dp_shard / tp to change: say it in its own terms
-        return deepspeed_problems(backend, world_size) + [
-            f"backend.sp={sp} must divide the world size {world_size} (nnodes × nproc_per_node; data parallel = "
-            "world / sp); change backend.sp or the number of processes"]
-    return deepspeed_problems(backend, world_size) + ParallelDims.problems(1, -1, 1, world_size, sp)
-
-
-def model_problems(backend: DeepSpeedConfig, world_size: int, arch) -> list[str]:
-    from llmtrain.models.ulysses_checks import sp_model_problems
-
-    return sp_model_problems(sp_of(backend), 1, arch)
-
-
-def plan_problems(backend: DeepSpeedConfig, world_size: int, facts) -> list[str]:
-    from llmtrain.models.ulysses_checks import sp_facts_problems
-
-    return sp_facts_problems(sp_of(backend), 1, facts)
+def optimizer_problems(backend: DeepSpeedConfig, cfg) -> list[str]:
+    """Muon reads DeepSpeed's flat partitions (optim/zero_layout.py): not its CPU Adam, not BF16_Optimizer's."""
+    if cfg.optim.name != "muon":
+        return []
+    problems, offload = [], backend.offload_optimizer.device
+    if offload != "none":
+        problems.append(f"optim=muon with backend.offload_optimizer.device={offload}: DeepSpeed's offload runs its own "
+                        f"CPU Adam: {MUON_FIX} backend.offload_optimizer.device=none")
+    if backend.zero_stage == 1 and cfg.precision == "bf16":
+        problems.append("optim=muon with backend.zero_stage=1 under bf16: DeepSpeed swaps in its BF16_Optimizer, whose "
+                        f"partitions llmtrain's Muon does not read: {MUON_FIX} backend.zero_stage=2 (same memory for "
+                        "the optimizer state), or precision=fp32")
+    return problems
 
 
 def row_name(backend: DeepSpeedConfig) -> str:
@@ -114,7 +104,7 @@ def row_name(backend: DeepSpeedConfig) -> str:
 SPEC = BackendSpec(name="deepspeed", engine="llmtrain.backends.deepspeed:DeepSpeedBackend",
                    config_class=DeepSpeedConfig,
                    presets=("deepspeed", "zero0", "zero1", "zero2", "zero3", "zero3_offload"),
-                   compared=("zero1", "zero2", "zero3", "zero3_offload"), degrees=degrees, problems=problems,
-                   model_problems=model_problems, plan_problems=plan_problems,
+                   compared=("zero1", "zero2", "zero3", "zero3_offload"), problems=deepspeed_problems,
+                   optimizer_problems=optimizer_problems,
                    layout=layout, row_name=row_name, holdings=holdings, collectives=collectives, gathers=gathers,
                    frozen_in_compute_dtype=True)

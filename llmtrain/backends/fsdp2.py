@@ -1,12 +1,15 @@
 """FSDP2 (`fully_shard`) on a named DeviceMesh, with optional tensor parallelism: dp × tp, and HSDP.
 
-`parallelize()` applies, in this order (torchtitan's):
-  1. apply_tp      — transformers' TP plan on the "tp" mesh: q/k/v/gate/up colwise, o/down rowwise; the fused
+`parallelize()` applies, in this order (torchtitan's; parallel/dimension.py APPLY_ORDER):
+  1. the parallel dimensions set, each its own `apply` (parallel/<dim>.py):
+     tp            — transformers' TP plan on the "tp" mesh: q/k/v/gate/up colwise, o/down rowwise; the fused
                      LM head's rows split over the vocabulary (models/vocab_parallel.py).
                      TP comes first because it replaces Linear weights by DTensors; FSDP then shards
                      those DTensors once more along dim 0 on the dp mesh (2-D (dp, tp) DTensors). The
                      other way round FSDP would gather full weights that TP then slices again.
-  (sp)           — Ulysses sequence parallelism has no step here either: the model was built with the run's
+     ep            — experts split over the "ep" mesh, tokens exchanged by all-to-all (models/expert_parallel.py);
+                     apply_fsdp then shards each rank's experts over "efsdp" (the ranks holding the same ones).
+     (sp)          — Ulysses sequence parallelism has no step here either: the model was built with the run's
                      Ulysses attention (models/ulysses.py, an all-to-all around each attention), and apply_fsdp
                      shards over dp_shard × sp flattened (the "fsdp" mesh): sp peers hold the same weights and
                      their gradients are summed like dp peers' (each saw other tokens of the same rows).
@@ -66,16 +69,14 @@ from llmtrain.backends.base import (
     build_scheduler,
     generation_mode,
     has_frozen_params,
-    param_groups,
     save_frozen,
     save_hf,
 )
+from llmtrain.distributed import DistContext
 from llmtrain.models.backbone import backbone
-from llmtrain.models.fused_head import fused_head_of
 from llmtrain.models.lora import unwrap_peft
-from llmtrain.models.tp import apply_tp_plan
-from llmtrain.models.vocab_parallel import shard_head_over_vocab
-from llmtrain.parallel import DistContext, ParallelDims
+from llmtrain.optim.build import build_optimizer
+from llmtrain.parallel import DIMENSIONS, ParallelDims, applied_in_order
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +87,11 @@ DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # ---- parallelize: the fixed order ---------------------------------------------------------------
 
-def apply_tp(model: torch.nn.Module, dims: ParallelDims) -> None:
-    """The family's plan on the decoder layers; the fused LM head (model.fused_loss on) split over the vocabulary."""
-    if dims.tp > 1:
-        apply_tp_plan(unwrap_peft(model), dims.mesh("tp"), model.config)
-        if fused_head_of(model) is not None:  # model.fused_loss=off: the head stays whole, full logits
-            shard_head_over_vocab(unwrap_peft(model), dims.mesh("tp"))
+def apply_dimensions(model: torch.nn.Module, dims: ParallelDims) -> None:
+    """Each parallel dimension set (> 1) with an `apply`, in the fixed order."""
+    for dim in applied_in_order():
+        if getattr(dims, dim.name) > 1:
+            dim.apply(model, dims)
 
 
 def apply_compile(blocks: list[torch.nn.Module]) -> None:
@@ -99,8 +99,14 @@ def apply_compile(blocks: list[torch.nn.Module]) -> None:
         block.compile(fullgraph=False)
 
 
-def apply_fsdp(model: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh, *, reshard_after_forward: bool,
-               mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
+def apply_fsdp(model: torch.nn.Module, blocks: list[torch.nn.Module], dims: ParallelDims, *,
+               reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
+    """A dimension's own units first (ep: experts on "efsdp"), then each block and the root on "fsdp"."""
+    kwargs = {"reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy, "offload_policy": offload_policy}
+    for dim in DIMENSIONS.values():
+        if dim.shard is not None and getattr(dims, dim.name) > 1:
+            dim.shard(model, dims, **kwargs)
+    dp_mesh = dims.mesh("fsdp")
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload_policy)
@@ -122,10 +128,10 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, reshard_after_for
     """The run's meshes come from `dims` by name: "tp" for the TP plan, "fsdp" (dp_shard, or HSDP's (dp_replicate,
     dp_shard)) for fully_shard."""
     blocks = decoder_blocks(model)
-    apply_tp(model, dims)  # then activation checkpointing: already in place (the loader's, see the docstring)
+    apply_dimensions(model, dims)  # then activation checkpointing: already in place (the loader's, see the docstring)
     if compile:
         apply_compile(blocks)
-    apply_fsdp(model, blocks, dims.mesh("fsdp"), reshard_after_forward=reshard_after_forward,
+    apply_fsdp(model, blocks, dims, reshard_after_forward=reshard_after_forward,
                mp_policy=mp_policy, offload_policy=offload_policy)
 
 
@@ -252,10 +258,8 @@ class FSDP2Engine(ScaledOptimizerSteps):
         self.model = self.module = model
         self.optimizer = self.scheduler = None
         if optim is not None:
-            groups = split_groups_by_mesh(param_groups(model, optim.weight_decay))
             fused = ctx.device.type == "cuda" and not cpu_offload
-            self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                               fused=fused or None)
+            self.optimizer = build_optimizer(model, optim, fused=fused, split=split_groups_by_mesh)
             self.scheduler = build_scheduler(self.optimizer, optim)
         if precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # all-reduces found_inf
@@ -345,10 +349,11 @@ class FSDP2Engine(ScaledOptimizerSteps):
 
     def _load_scheduler(self, directory: Path) -> None:
         scheduler = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
-        # The lr lambda is the same for every group, but the number of groups follows the mesh.
-        groups = len(self.optimizer.param_groups)
-        scheduler["base_lrs"] = [scheduler["base_lrs"][0]] * groups
-        scheduler["_last_lr"] = [scheduler["_last_lr"][0]] * groups
+        # The lr lambda is the same for every group, but the number of groups follows the mesh: each group's own
+        # peak lr (optim=muon: Muon's may differ from AdamW's) and, loaded with the optimizer, its current lr.
+        groups = self.optimizer.param_groups
+        scheduler["base_lrs"] = [group["initial_lr"] for group in groups]
+        scheduler["_last_lr"] = [group["lr"] for group in groups]
         self.scheduler.load_state_dict(scheduler)
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(torch.load(directory / "scaler.pt", map_location="cpu", weights_only=True))

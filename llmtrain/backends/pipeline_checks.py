@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from llmtrain.backends.spec import pp_of
+from llmtrain.parallel.dimension import degree_of  # not the package: parallel/pp.py imports this module
 
 
 class Schedule(NamedTuple):
@@ -78,7 +78,7 @@ def run_problems(cfg: Any, stage: Any) -> list[str]:
     """What the rest of the config must be for backend.pp > 1 (validation.py; every rank, nothing loaded). stage: the
     run's stages/spec.StageSpec (`pipelines`: it runs through a pipeline; `prompts`: it generates)."""
     backend = cfg.backend
-    pp = pp_of(backend)
+    pp = degree_of(backend, "pp")
     if pp <= 1:
         return []
     problems = []

@@ -56,9 +56,10 @@ from llmtrain.backends.pipeline import (
     pad_micro_batch,
     rows_of,
 )
+from llmtrain.distributed import DistContext, all_reduce_sum
 from llmtrain.models.lora import is_peft, unwrap_peft
 from llmtrain.models.tp import apply_tp_plan
-from llmtrain.parallel import DistContext, ParallelDims, all_reduce_sum
+from llmtrain.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 

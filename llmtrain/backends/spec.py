@@ -1,5 +1,6 @@
 """What a backend is to the rest of the program: one descriptor (`BackendSpec`) per backend, registered in
-`llmtrain.backends.BACKENDS`. Its typed config group, its checks, its layout on ParallelDims, its planner figures
+`llmtrain.backends.BACKENDS`. Its typed config group, its checks, its layout on ParallelDims (its degrees are the
+`backend.<dimension>` fields its config class has: parallel/), its planner figures
 and what it supports live with it (`backends/<name>_spec.py`), so nothing outside backends/ names a backend.
 
 Pure Python: a descriptor module never imports torch.distributed, DeepSpeed or the engine (`engine` is a lazy
@@ -12,32 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llmtrain.parallel import DIMS, PP_DIM, ParallelDims
+from llmtrain.parallel import ParallelDims
 
 
 def no_problems(*args: Any) -> list[str]:
     return []
-
-
-def sp_of(backend: Any) -> int:
-    """backend.sp (Ulysses sequence parallelism); 1 for a backend (or a test's namespace) without the field."""
-    return int(getattr(backend, "sp", 1) or 1)
-
-
-def tp_of(backend: Any) -> int:
-    """backend.tp (tensor parallelism); 1 for a backend (or a test's namespace) without the field."""
-    return int(getattr(backend, "tp", 1) or 1)
-
-
-def pp_of(backend: Any) -> int:
-    """backend.pp (pipeline stages); 1 for a backend (or a test's namespace) without the field. Not defaulted past
-    the field: a pp of 0 stays 0 for the pipeline checks to refuse."""
-    return getattr(backend, "pp", 1)
-
-
-def flat_data_parallel(backend: Any) -> dict[str, int]:
-    """Every rank its own data, nothing but data parallel: (dp_replicate 1, dp_shard the world, tp 1)."""
-    return {"dp_replicate": 1, "dp_shard": -1, "sp": 1, "tp": 1}
 
 
 def no_gathers(layout: Any, facts: Any) -> tuple[int, float | None]:
@@ -63,8 +43,6 @@ class BackendSpec:
     holdings: Callable[..., Any]
     # (RoleParams, Layout, precision, accum, on_gpu) -> [Collective] of one optimizer step (TP's added by cost.py)
     collectives: Callable[..., Any]
-    # (backend cfg) -> {dimension: degree} it asks for (dp_shard -1: the rest of the world)
-    degrees: Callable[[Any], dict[str, int]] = flat_data_parallel
     # (backend cfg, world size) -> problems, each naming the field and the fix; pure Python, nothing loaded
     problems: Callable[[Any, int], list[str]] = no_problems
     # (backend cfg, world size, the model's transformers config) -> problems (tp vs heads, a TP plan)
@@ -73,6 +51,8 @@ class BackendSpec:
     plan_problems: Callable[[Any, int, Any], list[str]] = no_problems
     # (Layout, ModelFacts) -> (parameters gathered whole at once, parameters gathered again in backward or None)
     gathers: Callable[[Any, Any], tuple[int, float | None]] = no_gathers
+    # (backend cfg, run cfg) -> what this backend cannot run of the run's optim group (Muon's layouts), naming the fix
+    optimizer_problems: Callable[[Any, Any], list[str]] = no_problems
     frozen_in_compute_dtype: bool = False  # a frozen role's weights in bf16/fp16 (else fp32)
     loads_4bit_base: bool = False  # QLoRA: holds a bitsandbytes 4-bit frozen base (sharding one is not wired up)
 
@@ -81,8 +61,7 @@ class BackendSpec:
 
     def parallel_dims(self, backend: Any, world_size: int) -> ParallelDims:
         """The run's layout: ConfigError (every degree named) when the degrees do not fit the world."""
-        degrees = self.degrees(backend)
-        return ParallelDims.build(world_size=world_size, **{name: degrees.get(name, 1) for name in (*DIMS, PP_DIM)})
+        return ParallelDims.of(backend, world_size)
 
     def config_from_options(self, options: dict) -> Any:
         """The typed config from a plain dict (build_backend's options; missing fields take their defaults)."""

@@ -7,9 +7,9 @@ import datasets
 import torch
 import torch.distributed as dist
 
-from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.errors import DataConfigError
 from llmtrain.data.formats import (
+    FORMAT_SPECS,
     DataStats,
     check_columns,
     check_length_policy,
@@ -20,6 +20,7 @@ from llmtrain.data.formats import (
 )
 from llmtrain.data.outcomes import CHUNKED, TRAINED
 from llmtrain.data.packing import merge_packed, pack_best_fit
+from llmtrain.data.unpaired_format import UNPAIRED_COLUMNS, unpaired_columns
 
 SEQUENCE_COLUMNS = ("input_ids", "labels")
 # An item of a preference dataset: both sides (ids and aligned labels), the row's margin and kind,
@@ -68,21 +69,28 @@ def build_examples(
     max_seq_len: int,
     overlong: str = "truncate",
     packing: bool = False,
+    unpaired: bool = False,
 ) -> tuple[TokenizedExamples, DataStats]:
     """Check settings, tokenise once (rank 0 first, others reuse the cache), drop, then pack.
 
-    With a preference format, items are pairs (PAIR_COLUMNS) and are never packed.
+    With a preference format, items are pairs (PAIR_COLUMNS) and are never packed. With `unpaired` (a stage that
+    trains on unpaired completions, KTO) or the unpaired format, items are UNPAIRED_COLUMNS (data/unpaired_format.py).
     """
     check_columns(rows.column_names, fmt)
     check_tokenizer(tokenizer, fmt)
     check_length_policy(max_seq_len, overlong, fmt)
-    pairs = fmt in PREFERENCE_FORMATS
-    if pairs and packing:
+    kind = FORMAT_SPECS[fmt].example
+    pairs = kind == "pair"
+    if unpaired and kind == "sequence":
+        raise DataConfigError(f"data.format={fmt} gives single sequences without a desirable/undesirable label; "
+                              "unpaired completions need data.format=unpaired or preference")
+    if kind != "sequence" and packing:
         raise DataConfigError(f"data.packing=true packs single sequences, but data.format={fmt} gives "
-                              f"chosen/rejected pairs, each kept whole as one example; set data.packing=false")
+                              f"{kind} examples, each kept whole as one example; set data.packing=false")
+    encoder = {"pair": _encode_pair_batch, "unpaired": _encode_unpaired_batch}.get(kind, _encode_batch)
     with main_process_first():
         encoded = rows.map(
-            _encode_pair_batch if pairs else _encode_batch,
+            encoder,
             batched=True,
             remove_columns=rows.column_names,
             fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_seq_len": max_seq_len, "overlong": overlong},
@@ -94,6 +102,9 @@ def build_examples(
     if stats.samples_out == 0:
         raise DataConfigError(f"no sample is left to train on ({stats.summary()}); raise data.max_seq_len, "
                               f"set data.overlong=truncate, or check that data.format={fmt} matches the data")
+    if unpaired or kind == "unpaired":
+        columns = unpaired_columns(kept, max_seq_len, from_pairs=pairs)
+        return TokenizedExamples(datasets.Dataset.from_dict(columns), None, UNPAIRED_COLUMNS), stats
     if pairs:
         return TokenizedExamples(kept.select_columns(list(PAIR_COLUMNS)), None, PAIR_COLUMNS), stats
     kept = kept.select_columns(["input_ids", "labels", "length"])
@@ -147,6 +158,17 @@ def _encode_pair_batch(batch: dict, tokenizer, fmt: str, max_seq_len: int, overl
         pair["num_targets"] = count_targets(pair["chosen_labels"]) + count_targets(pair["rejected_labels"])
         for name, values in out.items():
             values.append(pair[name])
+    return out
+
+
+def _encode_unpaired_batch(batch: dict, tokenizer, fmt: str, max_seq_len: int, overlong: str) -> dict:
+    columns = list(batch)
+    out = {name: [] for name in ("input_ids", "labels", "desirable", "outcome", "length", "num_targets")}
+    for i in range(len(batch[columns[0]])):
+        row = encode_row({name: batch[name][i] for name in columns}, tokenizer, fmt, max_seq_len, overlong)
+        row["length"], row["num_targets"] = len(row["input_ids"]), count_targets(row["labels"])
+        for name, values in out.items():
+            values.append(row[name])
     return out
 
 

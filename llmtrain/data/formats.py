@@ -4,13 +4,15 @@ Every encoder returns {"input_ids", "labels", "outcome"}; `outcome` says whether
 kept as is, truncated, chunked, or dropped, so the counts in `DataStats` come from the same code that acts.
 Target tokens are counted the way the loss counts them: labels[1:] (label 0 is never predicted).
 The `preference` encoder returns a pair instead: `chosen_*` and `rejected_*` ids and labels (see
-`preference_format.encode_preference`), with the same `outcome`.
+`preference_format.encode_preference`), with the same `outcome`; `unpaired` one completion and its label
+(`unpaired_format`). `FORMAT_SPECS` is the registry of every format (data/format_spec.py).
 """
 
 from dataclasses import asdict, dataclass
 
-from llmtrain.data import PREFERENCE_FORMATS
+from llmtrain.data import preference_format, unpaired_format
 from llmtrain.data.errors import DataConfigError
+from llmtrain.data.format_spec import DataFormat
 from llmtrain.data.outcomes import (
     CHUNKED,
     DROPPED_EMPTY,
@@ -23,23 +25,13 @@ from llmtrain.data.outcomes import (
     TRAINED,
     TRUNCATED,
 )
-from llmtrain.data.preference_format import encode_preference
+from llmtrain.data.synthetic import grammar_text_samples, reversal_samples
 from llmtrain.data.tokens import AssistantTurn, bos_ids, chat_ids, eos_ids, text_ids, turn_span
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.stop_tokens import special_token_ids
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-
-# Per format: the columns it needs; each entry lists the accepted names for one column.
-REQUIRED_COLUMNS = {
-    "text": [("text",)],
-    "prompt_response": [("prompt",), ("response", "completion")],
-    "alpaca": [("instruction",), ("output",)],  # `input` is optional
-    "messages": [("messages",)],
-    "preference": [("chosen",), ("rejected",)],  # `prompt`, `margin` and `kind` are optional
-}
-
 
 @dataclass
 class DataStats:
@@ -92,7 +84,7 @@ def check_tokenizer(tokenizer, fmt: str) -> None:
     if fmt in ("prompt_response", "alpaca") and tokenizer.eos_token_id is None:
         raise DataConfigError(f"data.format={fmt} appends an eos token so the model learns to stop, but "
                               "model.tokenizer has no eos_token; use a tokenizer that defines one")
-    if fmt in PREFERENCE_FORMATS and tokenizer.eos_token_id is None:
+    if FORMAT_SPECS[fmt].example != "sequence" and tokenizer.eos_token_id is None:
         raise DataConfigError(f"data.format={fmt} ends every sequence in an eos token (a reward model scores "
                               "the last token), but model.tokenizer has no eos_token; use one that defines it")
 
@@ -114,7 +106,7 @@ def count_targets(labels: list[int]) -> int:
 def encode_row(row: dict, tokenizer, fmt: str, max_seq_len: int | None, overlong: str) -> dict:
     """The format's encoding, with samples left without a target token marked as dropped."""
     encoded = FORMATS[fmt](row, tokenizer, max_seq_len, overlong)
-    if fmt in PREFERENCE_FORMATS:  # a kept side always has targets: its response (never cut) and eos
+    if FORMAT_SPECS[fmt].example != "sequence":  # a kept side always has targets: its response (never cut), eos
         return encoded
     if encoded["outcome"] != DROPPED_OVERLONG and count_targets(encoded["labels"]) == 0:
         return _dropped(DROPPED_NO_TARGET)
@@ -248,10 +240,17 @@ def _dropped(outcome: str) -> dict:
     return {"input_ids": [], "labels": [], "outcome": outcome}
 
 
-FORMATS = {
-    "text": encode_text,
-    "prompt_response": encode_prompt_response,
-    "alpaca": encode_alpaca,
-    "messages": encode_messages,
-    "preference": encode_preference,
-}
+# The sequence formats; the pair and unpaired ones are declared by their modules.
+DATA_FORMATS = (
+    DataFormat("text", columns=(("text",),), encode=encode_text, synthetic=grammar_text_samples),
+    DataFormat("prompt_response", columns=(("prompt",), ("response", "completion")), encode=encode_prompt_response,
+               synthetic=reversal_samples),
+    DataFormat("alpaca", columns=(("instruction",), ("output",)), encode=encode_alpaca, optional=("input",)),
+    DataFormat("messages", columns=(("messages",),), encode=encode_messages),
+)
+# The format registry: every format by name.
+FORMAT_SPECS: dict[str, DataFormat] = {
+    spec.name: spec for module_formats in (DATA_FORMATS, preference_format.DATA_FORMATS, unpaired_format.DATA_FORMATS)
+    for spec in module_formats}
+FORMATS = {name: spec.encode for name, spec in FORMAT_SPECS.items()}
+REQUIRED_COLUMNS = {name: list(spec.columns) for name, spec in FORMAT_SPECS.items()}

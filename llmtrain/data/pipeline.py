@@ -25,8 +25,10 @@ class DataBundle:
 
 def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | None, split: str,
                eval_split: str | None, eval_fraction: float, fmt: str, max_seq_len: int, overlong: str,
-               packing: bool, tokenizer, seed: int, rename_columns: dict[str, str] | None = None) -> DataBundle:
-    """`rename_columns`: {data column: the name the format reads} (e.g. reward.margin_column -> margin)."""
+               packing: bool, tokenizer, seed: int, rename_columns: dict[str, str] | None = None,
+               unpaired: bool = False) -> DataBundle:
+    """`rename_columns`: {data column: the name the format reads} (e.g. reward.margin_column -> margin); `unpaired`:
+    the stage trains on unpaired completions (a pair format's pairs unpaired: data/unpaired_format.py)."""
     train_rows = rename(load_rows(list(train_files) or None, dataset, split), rename_columns, "data.train_files")
     eval_rows = None
     if eval_files:
@@ -36,7 +38,7 @@ def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | 
         eval_rows = rename(load_rows(None, dataset, eval_split), rename_columns, "data.eval_split")
     elif eval_fraction > 0:
         train_rows, eval_rows = split_eval(train_rows, eval_fraction, seed)
-    options = dict(fmt=fmt, max_seq_len=max_seq_len, overlong=overlong, packing=packing)
+    options = dict(fmt=fmt, max_seq_len=max_seq_len, overlong=overlong, packing=packing, unpaired=unpaired)
     train, train_stats = build_examples(train_rows, tokenizer, **options)
     if eval_rows is None:
         return DataBundle(train, None, train_stats, None)
@@ -45,7 +47,7 @@ def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | 
 
 
 def load_data(d, *, tokenizer, seed: int, max_prompt_len: int | None = None,
-              rename_columns: dict[str, str] | None = None):
+              rename_columns: dict[str, str] | None = None, unpaired: bool = False):
     """The run's data from its `data` config node: prompts to generate from when `max_prompt_len` is given (RL
     stages), else tokenised training sequences."""
     sources = dict(train_files=d.train_files, eval_files=d.eval_files, dataset=d.dataset, split=d.split,
@@ -55,7 +57,7 @@ def load_data(d, *, tokenizer, seed: int, max_prompt_len: int | None = None,
 
         return build_prompt_data(**sources, max_prompt_len=max_prompt_len)
     return build_data(**sources, max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing,
-                      rename_columns=rename_columns)
+                      rename_columns=rename_columns, unpaired=unpaired)
 
 
 def rename(rows, renames: dict[str, str] | None, where: str):

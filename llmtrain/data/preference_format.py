@@ -3,7 +3,9 @@
 from typing import NamedTuple
 
 from llmtrain.data.errors import DataConfigError
+from llmtrain.data.format_spec import DataFormat
 from llmtrain.data.outcomes import DROPPED_EMPTY, DROPPED_IDENTICAL, DROPPED_OVERLONG, KEPT, TRUNCATED
+from llmtrain.data.synthetic import reversal_preferences
 from llmtrain.data.tokens import bos_ids, chat_ids, eos_ids, text_ids, turn_span
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.stop_tokens import special_token_ids
@@ -161,3 +163,7 @@ def _fit_pair(parts: PairParts, max_seq_len: int | None, overlong: str):
 def _dropped_pair(outcome: str, margin: float = 0.0, kind: str = "") -> dict:
     return {"chosen_input_ids": [], "chosen_labels": [], "rejected_input_ids": [], "rejected_labels": [],
             "margin": margin, "kind": kind, "outcome": outcome}
+
+
+DATA_FORMATS = (DataFormat("preference", columns=(("chosen",), ("rejected",)), encode=encode_preference,
+                           optional=("prompt", "margin", "kind"), example="pair", synthetic=reversal_preferences),)

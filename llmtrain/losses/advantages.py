@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmtrain.parallel import all_reduce_sum
+from llmtrain.distributed import all_reduce_sum
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

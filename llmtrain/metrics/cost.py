@@ -27,6 +27,7 @@ class Layout:
     dp: int
     tp: int = 1
     sp: int = 1  # sequence-parallel peers: share each row (s/sp tokens each), hold the same weights as dp peers
+    ep: int = 1  # expert-parallel peers: each holds E/ep experts (carved from dp_shard × tp: dp unchanged)
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (FSDP2 cpu_offload: cpu)
     persistence_threshold: int = 0  # ZeRO-3: parameters with numel <= this stay whole on every rank
@@ -49,7 +50,9 @@ class RoleParams:
     tp_fraction: float = 0.0  # share of the parameters the TP plan splits (q/k/v/o, gate/up/down)
     working: int = 0  # parameters gathered whole at once under ZeRO-3/FSDP2 (two blocks + the largest other module)
     regathered: float | None = None  # ZeRO-3: parameters gathered again in backward (None: every partitioned one)
-    block_fraction: float = 1.0  # share of the parameters in decoder blocks (FSDP2 reshards those, not the root)
+    block_fraction: float = 1.0  # share of the (non-expert) parameters in decoder blocks (FSDP2 reshards those)
+    expert_fraction: float = 0.0  # share in routed experts split over ep (0 without ep; then tp_fraction has them)
+    optim_floats: float = 2.0  # fp32 optimizer-state values per trainable parameter (Adam 2; Muon 1 on its matrices)
 
 
 @dataclass(frozen=True)
@@ -192,22 +195,6 @@ def communication(role: RoleParams, layout: Layout, precision: str, *, accum: in
         out.append(Collective("TP activations", "all_reduce", elem_bytes(precision) * tokens_per_micro * hidden,
                               layout.tp, per_block * layers * accum, overlapped=False))
     return out
-
-
-def ulysses_all_to_all(layout: Layout, precision: str, *, tokens_per_micro: int, hidden: int, kv_hidden: int,
-                       kv_heads: int, layers: int, accum: int, trainable: bool,
-                       checkpointing: bool) -> list[Collective]:
-    """Ulysses (models/ulysses.py): 4 all-to-alls per layer and forward (q, k, v in; the output back), of this rank's
-    s/sp tokens: q and the output h/tp wide, k and v kv_hidden/tp (kv-heads fewer than sp are repeated up to sp);
-    the same again in backward, and in the recompute of a checkpointed block."""
-    if layout.sp <= 1:
-        return []
-    head_dim = kv_hidden // max(kv_heads, 1)
-    kv_width = max(kv_heads // layout.tp, layout.sp) * head_dim
-    payload = elem_bytes(precision) * tokens_per_micro * (2 * hidden / layout.tp + 2 * kv_width)
-    passes = 1 + (1 if trainable else 0) + (1 if trainable and checkpointing else 0)
-    return [Collective("SP all-to-all (q, k, v, output)", "all_to_all", payload, layout.sp, passes * layers * accum,
-                       overlapped=False)]
 
 
 def step_seconds(hardware_flops: float, collectives: list[Collective], *, peak_flops: float, mfu: float,

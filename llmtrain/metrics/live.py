@@ -15,8 +15,8 @@ Under a pipeline (backend.pp > 1) every figure is the rank's own: the meter watc
 (every virtual stage), which the schedule calls (the rank's whole model is never called), and `activations` is the
 peak of the bytes saved for backward that are alive at the same time over the micro-batches in flight
 (`InFlightMeter`: GPipe holds all M forwards, 1F1B about P − rank); the plan's figure is the same quantity
-(plan_pp.StageActivations.rank: the chunks in flight at the rank's peak, the head on the last stage only), and the
-plan's model states are the rank's stages' (plan_pp.rank_state_bytes). Extra keys there: `memory_r<rank>_in_flight`
+(plan.pp.StageActivations.rank: the chunks in flight at the rank's peak, the head on the last stage only), and the
+plan's model states are the rank's stages' (plan.pp.rank_state_bytes). Extra keys there: `memory_r<rank>_in_flight`
 (micro-batch chunks alive at the measured peak) next to `_plan_in_flight`, and `memory_r<rank>_plan_state`;
 `plan_memory_state` is rank 0's. `activation_rows` × `_seq` is the micro-batch's shape (b, W).
 """
@@ -178,10 +178,10 @@ class InFlightMeter:
 
 @dataclass(frozen=True)
 class PipelineRankFigures:
-    """The planner's figures for one pp rank (plan_pp.rank_state_bytes, plan_pp.StageActivations.rank)."""
+    """The planner's figures for one pp rank (plan.pp.rank_state_bytes, plan.pp.StageActivations.rank)."""
     state_bytes: float  # its stages' model states
     activations: object  # (rows, seq) -> bytes of its micro-batch chunks in flight at its peak
-    in_flight: int  # micro-batch chunks in flight at its peak (plan_pp.in_flight)
+    in_flight: int  # micro-batch chunks in flight at its peak (plan.pp.in_flight)
 
 
 @dataclass(frozen=True)

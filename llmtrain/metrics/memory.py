@@ -120,7 +120,7 @@ def _tensors(obj, depth: int = 0):
 def gather_per_rank(local: dict[str, float], world_size: int, rank: int, device: torch.device,
                     prefix: str = "memory") -> dict[str, float]:
     """Every rank's `local` (same keys everywhere) as one flat record: `<prefix>_r<rank>_<key>`. A collective."""
-    from llmtrain.parallel import all_reduce_sum
+    from llmtrain.distributed import all_reduce_sum
 
     keys = sorted(local)
     table = torch.zeros(world_size, len(keys), dtype=torch.float64, device=device)

@@ -29,6 +29,24 @@ class ModelFacts:
     lacks_attention: frozenset[str] = frozenset()  # attentions its transformers class does not run (Gemma-2: sdpa)
     softcapping: bool = False  # attention-logit softcapping (Gemma-2): eager attention keeps tanh's output too
     max_positions: int | None = None  # the config's max_position_embeddings (what its rotary was trained to)
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    expert_params: int = 0  # parameters of the routed experts, every layer (what backend.ep splits)
+    tp_expert_params: int = 0  # of those, the ones the TP plan splits (ExpertsOverTP) when ep is off
+    top_k: int = 0  # experts per token
+    moe_layers: int = 0  # decoder layers with routed experts
+    moe_intermediate: int = 0  # one routed expert's MLP width (0: dense)
+    muon_params: int = 0  # the hidden matrices optim=muon updates (optim/build.muon_params); the rest stays on AdamW
+
+    @property
+    def mlp_width(self) -> float | None:
+        """The MLP width the activation count uses (its 4i per token: gate, up, silu(gate), their product). An MoE
+        layer keeps them for each of its k experts per token, plus each slot's sorted input row and weighted output
+        (2·k·h) and the router logits (E): 4·w = 4·k·i_e + 2·k·h + E (measured, tiny Mixtral: the count within 5 %)."""
+        if not self.experts or self.intermediate is None:
+            return self.intermediate
+        routed = self.top_k * self.moe_intermediate + self.top_k * self.hidden / 2 + self.experts / 4
+        dense_share = 1 - self.moe_layers / self.layers  # Qwen-MoE's mlp_only_layers keep a dense MLP
+        return dense_share * self.intermediate + (1 - dense_share) * routed
 
 
 def local_vocab_size(tokenizer_source: str | None, trust_remote_code: bool) -> int | None:
@@ -49,6 +67,7 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
     from llmtrain.models.backbone import backbone
     from llmtrain.models.load import model_config, unsupported_attentions
     from llmtrain.models.tp import tp_plan
+    from llmtrain.optim.build import muon_params
 
     m = cfg.model
     vocab = local_vocab_size(m.tokenizer or m.name_or_path, m.trust_remote_code)
@@ -71,7 +90,26 @@ def model_facts(cfg: DictConfig) -> ModelFacts:
                       head=0 if out is None or out.weight is embed else out.weight.numel(), tp_params=tp_params,
                       model_type=arch.model_type, lacks_attention=unsupported_attentions(arch),
                       softcapping=getattr(arch, "attn_logit_softcapping", None) is not None,
-                      max_positions=getattr(arch, "max_position_embeddings", None))
+                      max_positions=getattr(arch, "max_position_embeddings", None), **_expert_facts(model, arch),
+                      muon_params=sum(p.numel() for p in muon_params(model, "per_matrix")[0]))
+
+
+def _expert_facts(model, arch) -> dict:
+    from llmtrain.models.expert_parallel import experts_modules, moe_layers
+    from llmtrain.models.moe import expert_count
+    from llmtrain.models.tp import tp_plan
+
+    experts = expert_count(arch) or 0
+    if not experts:
+        return {}
+    modules = experts_modules(model, arch)
+    routed = sum(p.numel() for _, m in modules for p in m.parameters())
+    plan = tp_plan(arch) or {}
+    in_tp = sum(p.numel() for name, m in modules if any(fnmatch.fnmatch(name, pattern) for pattern in plan)
+                for p in m.parameters())
+    return {"experts": experts, "expert_params": routed, "tp_expert_params": in_tp, "moe_layers": moe_layers(arch),
+            "moe_intermediate": getattr(arch, "moe_intermediate_size", None) or arch.intermediate_size,
+            "top_k": int(getattr(arch, "num_experts_per_tok", 0) or 0)}
 
 
 def lora_trainable(cfg: DictConfig) -> int:

@@ -163,11 +163,14 @@ def _replicate_input(tp_mesh, module, args, kwargs):
     return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
 
 
-def apply_tp_plan(model: torch.nn.Module, tp_mesh, arch: Any) -> None:
-    """Shard the base model's layers over `tp_mesh` in place (paths are relative to its backbone)."""
+def apply_tp_plan(model: torch.nn.Module, tp_mesh, arch: Any, *, experts: bool = True) -> None:
+    """Shard the base model's layers over `tp_mesh` in place (paths are relative to its backbone). experts=False:
+    the routed experts stay whole here (expert parallelism splits them: models/expert_parallel.py)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan, base = tp_plan(arch), backbone(model)
+    if not experts:
+        plan = {path: style for path, style in module_plan(plan).items() if style != EXPERTS_STYLE}
     applied = Counter(style for name, _ in base.named_modules()
                       for pattern, style in module_plan(plan).items() if fnmatch(name, pattern))
     parallelize_module(base, tp_mesh, parallel_styles(plan, tp_mesh))

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from llmtrain.parallel import all_reduce_sum
+from llmtrain.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,6 @@ class Stage(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-    def attention(self, resolved: str) -> str:
-        """The attention the roles are built with, given the run's resolved one (PPO: left padding needs a mask)."""
-        return resolved
 
     # Set by the trainer: the next batch of this rank's data stream, beyond the step's own fetches (PPO's dynamic
     # sampling draws more prompts with it, every rank together); data_position then counts what it drew.

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.spec import pp_of
 from llmtrain.data.pipeline import eval_batches
 from llmtrain.losses.dpo import (
     AVERAGED_LOGPS,
@@ -37,6 +36,7 @@ from llmtrain.losses.dpo import (
     dpo_metrics,
     dpo_stat_sums,
 )
+from llmtrain.parallel import degree_of
 from llmtrain.stages.base import ModelSource, RoleSpec, Stage, Updater, eval_totals
 from llmtrain.stages.head import pair_logps, routed_update, with_router
 from llmtrain.stages.preference import (
@@ -162,7 +162,7 @@ class DPOStage(Stage):
 def dpo_roles(cfg, source: ModelSource) -> dict[str, RoleSpec]:
     """The policy and its frozen reference; under backend.pp > 1 the policy alone (module docstring)."""
     roles = {"policy": RoleSpec(source, head="lm", trainable=True)}
-    if cfg is None or pp_of(cfg.backend) == 1:
+    if cfg is None or degree_of(cfg.backend, "pp") == 1:
         roles["reference"] = RoleSpec(source, head="lm", trainable=False, adapter_off_of="policy")
     return roles
 
@@ -174,7 +174,7 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> DPOS
                     padding_free=padding_free_for(attn_implementation),
                     cache_path=Path(cfg.output_dir) / CACHE_FILE if d.precompute_ref_logps else None,
                     resumed_run=resumed_run_dir(cfg.resume), eval_batch_size=t.eval_batch_size or t.micro_batch_size,
-                    pipelined=pp_of(cfg.backend) > 1)
+                    pipelined=degree_of(cfg.backend, "pp") > 1)
 
 
 def resumed_run_dir(resume: str | None) -> Path | None:
@@ -193,7 +193,7 @@ def problems(cfg, dp: int) -> list[str]:
         found.append(f"dpo.beta={d.beta} must be > 0 (typical: 0.1; it scales the implicit reward)")
     if not 0 <= d.label_smoothing < 0.5:
         found.append(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
-    pp = pp_of(cfg.backend)
+    pp = degree_of(cfg.backend, "pp")
     if pp > 1 and not d.precompute_ref_logps:
         found.append(f"stage=dpo with backend.pp={pp} computes the reference log-probs once, before step "
                      "1, through the policy's own pipeline (no frozen pipelined reference role is built): set "

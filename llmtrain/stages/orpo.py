@@ -17,10 +17,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from llmtrain.distributed import all_reduce_sum
 from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.losses.reference_free import ORPOTerms, orpo_terms
-from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.base import ModelSource, Stage, Updater, eval_totals
 from llmtrain.stages.causal_lm import policy_role
 from llmtrain.stages.head import pair_totals, routed_update, with_router

@@ -168,8 +168,9 @@ def reward_eval_metrics(sums: list[float]) -> dict:
 def pair_spec(**fields) -> StageSpec:
     """The spec of a pairwise stage: preference data, both sequences of a pair in one forward, counted in pairs. Under
     backend.pp > 1 a pair's sequences travel in one micro-batch and its loss is computed on the last stage."""
-    return StageSpec(data_formats=PREFERENCE_FORMATS, data_hint=PAIR_DATA_HINT, count_name="pairs",
-                     sequences_per_sample=2, pipelines=True, **fields)
+    defaults = dict(data_formats=PREFERENCE_FORMATS, data_hint=PAIR_DATA_HINT, count_name="pairs",
+                    sequences_per_sample=2, pipelines=True)
+    return StageSpec(**{**defaults, **fields})  # a stage on the pair layout may name its own (KTO's formats)
 
 
 def pair_problems(cfg, stage: str) -> list[str]:

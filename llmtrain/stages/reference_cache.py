@@ -45,9 +45,10 @@ class ReferenceCache:
         values = []
         for key, real in zip(keys, weight.tolist()):
             if real and key not in self.table:
-                raise KeyError(f"dpo.precompute_ref_logps: a pair of this run's data is not in {CACHE_FILE} (the "
-                               "data or its tokenization changed since it was computed): delete the file to compute "
-                               "it again, or set dpo.precompute_ref_logps=false")
+                field = self.meta.get("field", "dpo.precompute_ref_logps")  # kto's table names its own field
+                raise KeyError(f"{field}: a pair of this run's data is not in {CACHE_FILE} (the data or its "
+                               "tokenization changed since it was computed): delete the file to compute it again, or "
+                               f"set {field}=false")
             values.append(self.table.get(key, (0.0, 0.0)))
         both = torch.tensor(values, dtype=torch.float32, device=weight.device).view(-1, 2)  # (P, 2)
         return both[:, 0], both[:, 1]

@@ -11,7 +11,8 @@ from llmtrain.stages.base import ModelSource
 from llmtrain.stages.spec import StageSpec
 
 STAGE_MODULES = ("llmtrain.stages.causal_lm", "llmtrain.stages.reward", "llmtrain.stages.dpo",
-                 "llmtrain.stages.ppo.build", "llmtrain.stages.simpo", "llmtrain.stages.orpo")
+                 "llmtrain.stages.ppo.build", "llmtrain.stages.simpo", "llmtrain.stages.orpo",
+                 "llmtrain.stages.kto")
 
 
 @cache
@@ -36,6 +37,22 @@ def config_nodes() -> dict[str, type]:
     return {spec.config_node: spec.config_class for spec in stage_specs().values() if spec.config_node}
 
 
+def decide_attention(cfg, resolved: str, for_family) -> str:
+    """The run's attention, decided once, read by the stage, the batches, the models and the planner alike.
+
+    `resolved`: model.attn_implementation resolved for the device (models/load.resolve_attn_implementation, or the
+    planner's pick for a planned GPU); `for_family(attn) -> attn`: what each role's class runs instead where it lacks
+    it (the run: models/load.attention_for_family on the roles' configs; the planner: the meta model's facts).
+    In order: Ulysses (backend.sp > 1) exchanges around sdpa_segments; the family's support; the stage's own need
+    (PPO's left-padded rollouts read a padding mask: StageSpec.attention), checked against the family again."""
+    from llmtrain.models.attention import SEGMENT_ATTENTION
+    from llmtrain.parallel import degree_of
+
+    attn = for_family(SEGMENT_ATTENTION if degree_of(cfg.backend, "sp") > 1 else resolved)
+    adjust = stage_spec(cfg.stage.name).attention
+    return attn if adjust is None else for_family(adjust(cfg, attn))
+
+
 def model_source(model_cfg) -> ModelSource:
     """The run's `model.*` weights source (roles built from the run's model use it)."""
     from_config = None if model_cfg.from_config is None else dict(model_cfg.from_config)
@@ -57,4 +74,4 @@ def load_stage_data(cfg, tokenizer):
     spec = stage_spec(cfg.stage.name)
     return load_data(cfg.data, tokenizer=tokenizer, seed=cfg.trainer.seed,
                      max_prompt_len=spec.max_prompt_len(cfg) if spec.prompts else None,
-                     rename_columns=spec.column_renames(cfg))
+                     rename_columns=spec.column_renames(cfg), unpaired=spec.unpaired)

@@ -58,6 +58,7 @@ class StageSpec:
     roles: Callable[[Any, ModelSource], dict[str, RoleSpec]]  # the roles this config builds (the planner reads it)
     data_formats: tuple[str, ...]  # data.format values the stage trains on
     data_hint: str  # the fix named when data.format is not one of them
+    unpaired: bool = False  # trains on unpaired completions: a pair format's pairs unpaired (data/unpaired_format.py)
     count_name: str = "tokens"  # what a step's loss is normalised by: tokens | pairs | ...
     sequences_per_sample: int = 1  # a pair is 2 sequences in one forward
     metric_group: str = "train"  # W&B group of the stage's own metrics (`dpo/rewards_margin`)
@@ -75,6 +76,8 @@ class StageSpec:
     implicit_reward: Callable[[Any], ImplicitReward] | None = None
     sequence_parallel: bool = False  # runs with backend.sp > 1: its losses are sums over target tokens of shards
     lm_loss_sum: bool = False  # its trained loss is the causal-LM sum −Σ log p (model.fused_loss=liger computes it)
+    # (cfg, the run's attention) -> the one its roles are built with (PPO: left padding needs a mask); None: as is
+    attention: Callable[[Any, str], str] | None = None
 
     @property
     def pairs(self) -> bool:

@@ -44,11 +44,14 @@ RUNS = {  # name -> (nproc, overrides); "ddp*" are the references
     # the same global batch 16 without accumulation (micro 8 × 1 × 2 ranks): equal to "ddp" / "zero2"
     "ddp_accum1": (2, ["trainer.micro_batch_size=8", "trainer.grad_accum_steps=1"]),
     "zero2_accum1": (2, ["backend=zero2", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=1"]),
+    # optim=muon: its momentum in DeepSpeed's flat partitions resumes bitwise (equality with torch.optim.Muon:
+    # tests/dist/workers/muon_checks.py, in test_fsdp2's worker launch)
+    "zero2_muon": (2, ["backend=zero2", "optim=muon"]),
 }
 REFERENCE = {name: "ddp_packed" if "data.packing=true" in args else "ddp" for name, (_, args) in RUNS.items()}
 RESUMED = {  # name -> (the run whose step-6 checkpoint it resumes, nproc, overrides after that run's)
     **{f"{name}_resumed": (name, 2, ["data.num_workers=2"])
-       for name in ("zero0", "zero1", "zero2", "zero3", "zero3_offload")},
+       for name in ("zero0", "zero1", "zero2", "zero3", "zero3_offload", "zero2_muon")},
     "zero1_as_zero2": ("zero1", 2, ["backend=zero2"]),
     "zero2_as_zero1": ("zero2", 2, ["backend=zero1"]),
     "zero2_on_one_rank": ("zero2", 1, ["trainer.micro_batch_size=8"]),
@@ -106,7 +109,7 @@ def test_accumulation_does_not_change_the_step(runs, name, assert_close_series):
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload", "zero2_muon"])
 def test_bitwise_resume(runs, name):
     """12 steps straight vs the step-6 checkpoint resumed in a later run (other runs between; 2 data workers):
     identical."""

@@ -44,6 +44,12 @@ TP_LAYOUTS = {"dp1": (1, ["trainer.micro_batch_size=4"]),
 HEAD_STEP = ["trainer.max_steps=1", "optim.lr=1.0", "optim.eps=1.0", "optim.warmup_steps=0", "optim.max_grad_norm=0"]
 HEAD_STAGES = {"sft": PARITY, "dpo": ["recipe=dpo_tiny", "trainer.micro_batch_size=4", "trainer.grad_accum_steps=2",
                                       *QUIET]}
+# Expert parallelism (parallel/ep.py, fsdp2 backend.ep=2: the experts split over the 2 ranks, tokens exchanged
+# all-to-all; ep carved from dp_shard, so dp stays 2) in one 2-rank launch: each EP family against DDP on the same
+# global batch (Qwen2-MoE's DDP run in this launch: it is not a parity family), then Mixtral saved at step 2 of 4 and
+# resumed at ep 2 (bitwise) and at ep 1 (plain FSDP2: the checkpoint reshards). ep = tp = 2 joins the tp2 launch.
+EP = ["backend=fsdp2", "backend.ep=2"]
+EP_SAVED = [*PARITY, "trainer.max_steps=4", "trainer.save_every_n_steps=2", *EP]
 HEAD_RUNS = {"dp1": [("sft_off", "sft", ["model.fused_loss=off"]), ("dpo_off", "dpo", ["model.fused_loss=off"])],
              "tp2": [("sft", "sft", ["backend=fsdp2_tp"]), ("dpo", "dpo", ["backend=fsdp2_tp"]),
                      ("sft_off", "sft", ["backend=fsdp2_tp", "model.fused_loss=off"])]}
@@ -95,8 +101,29 @@ def tp_parity(tmp_path_factory, family_args, families) -> tuple[Path, dict[str, 
         runs += [{"out": str(root / layout / f"head_{name}"),
                   "args": [*HEAD_STAGES[stage], *family_args("llama"), *HEAD_STEP, *overrides]}
                  for name, stage, overrides in HEAD_RUNS[layout]]
+        if layout == "tp2":  # ep = tp = 2: attention split by tp, experts by ep (parallel/ep.py)
+            runs += [{"out": str(root / layout / f"{family}_ep2"), "args": [*PARITY, *family_args(family), *extra,
+                                                                            "backend.ep=2"]}
+                     for family in families["moe"]]
         logs.update(_finish({layout: _launch(root, layout, runs, nproc=nproc)}))
     return root, logs
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory, family_args, families) -> tuple[Path, str]:
+    """One 2-rank launch: EP (above) for every EP family, Qwen2-MoE's DDP reference, Mixtral's save and resumes."""
+    root = tmp_path_factory.mktemp("family_ep")
+    saved = root / "mixtral_saved"
+    runs = [{"out": str(root / family), "args": [*PARITY, *family_args(family), *EP]} for family in families["ep"]]
+    runs += [{"out": str(root / "qwen2_moe_ddp"), "args": [*PARITY, *family_args("qwen2_moe")]},
+             {"out": str(saved), "args": [*EP_SAVED, *family_args("mixtral")]},
+             {"out": str(root / "mixtral_resumed"),
+              "args": [*EP_SAVED, *family_args("mixtral"), f"resume={saved}/checkpoints/step_2"]},
+             {"out": str(root / "mixtral_live"), "args": [*PARITY, *family_args("mixtral"), *EP,
+                                                          "trainer.grad_accum_steps=1", "trainer.micro_batch_size=4"]},
+             {"out": str(root / "mixtral_resumed_ep1"),
+              "args": [*EP_SAVED, *family_args("mixtral"), f"resume={saved}/checkpoints/step_2", "backend.ep=1"]}]
+    return root, _finish({"ep": _launch(root, "ep", runs, nproc=2)})["ep"]
 
 
 def _records(run_dir: Path, log: str) -> list[dict]:
@@ -183,3 +210,63 @@ def test_vocab_sharded_head_equals_full_logits(tp_parity, stage, tp_run):
         assert (trained[name] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), name
     sharded = "LM head split over the vocabulary, 132 of 263 rows per rank" in logs["tp2"]
     assert sharded and "LM head and loss: full (tokens, V) logits (model.fused_loss=off)" in logs["tp2"]
+
+
+def test_expert_parallel_equals_ddp(expert_parallel, parity, expert_family, families, assert_close_series):
+    """fsdp2 with backend.ep=2 (each rank 2 of 4 experts, dp 2) trains 3 SFT steps as DDP on 2 ranks does on the same
+    global batch: loss, grad norm and the router's aux loss within 1e-5 relative, the busiest expert's load equal
+    (routing is per token, on each rank's own rows in both); Qwen2-MoE with its shared expert too."""
+    root, log = expert_parallel
+    ddp_dir, ddp_log = (root / "qwen2_moe_ddp", log) if expert_family == "qwen2_moe" else \
+        (parity[0] / "ddp" / expert_family, parity[1]["ddp"])
+    reference, ours = _records(ddp_dir, ddp_log), _records(root / expert_family, log)
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in reference]
+    for key in ("loss", "grad_norm", "aux_loss", "expert_load_max"):
+        assert_close_series(ours, reference, key, 1e-5, 1e-5)
+    assert "ep 2: 2 experts modules split, 2 of 4 experts per rank, sharded over efsdp 1" in log
+
+
+def test_expert_parallel_beside_tensor_parallel(tp_parity, families, assert_close_series):
+    """ep = tp = 2 (dp 1): attention split by tp, the experts by ep (out of tp's plan), each tp peer dispatching half of
+    the shared rows: the one-process run's loss, grad norm and aux loss within 1e-5 relative."""
+    root, logs = tp_parity
+    for family in families["moe"]:
+        reference, ours = _records(root / "dp1" / family, logs["dp1"]), _records(root / "tp2" / f"{family}_ep2",
+                                                                                 logs["tp2"])
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert_close_series(ours, reference, key, 1e-5, 1e-5)
+
+
+def test_expert_parallel_resumes_bitwise_and_reshards_to_ep1(expert_parallel, assert_close_series):
+    """Mixtral at ep 2, saved at step 2 of 4: resumed at ep 2, steps 3-4 bit for bit; resumed at ep 1 (the experts
+    whole on every rank, FSDP over dp: the checkpoint reshards) within 1e-5, and its HF export equals the ep 2 run's
+    within 1e-5 of each tensor's scale (the same model, two layouts)."""
+    from safetensors.torch import load_file
+
+    root, log = expert_parallel
+    straight, resumed, as_ep1 = (_records(root / name, log) for name in ("mixtral_saved", "mixtral_resumed",
+                                                                        "mixtral_resumed_ep1"))
+    keys = ("loss", "grad_norm", "aux_loss")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in straight[2:]]
+    for key in keys:
+        assert_close_series(as_ep1, straight[2:], key, 1e-5, 1e-5)
+    expected = load_file(root / "mixtral_saved" / "hf" / "model.safetensors")
+    exported = load_file(root / "mixtral_resumed_ep1" / "hf" / "model.safetensors")
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert (exported[name] - tensor).abs().max() <= 1e-5 * tensor.abs().max(), name
+
+
+def test_expert_parallel_live_cost_matches_the_plan(expert_parallel, assert_live_cost_matches_the_plan):
+    """Mixtral at ep 2 (no accumulation, so the ledger's states are the plan's): each rank's model states (the dense
+    weights FSDP-sharded over 2, its 2 of 4 experts whole: E/ep), activations and every counted collective, the
+    experts' all-to-all apart, against the planner's figures (conftest: 5 % per kind, 25 % activations). The
+    all-to-all: what a rank receives follows the router, so the ranks' mean, within 20 % below the plan (rows of
+    max_seq_len; a batch's packed rows may be shorter), as sp's all-to-all is checked."""
+    root, _ = expert_parallel
+    errors = assert_live_cost_matches_the_plan(root / "mixtral_live", ranks=2, states=True, routed=("all_to_all",),
+                                               activations=False)
+    assert abs(errors["states"]) <= 0.05 and abs(errors["activations"]) <= 0.5, errors
+    second = read_metrics(root / "mixtral_live")[0][1]
+    planned, counted = second["plan_comm_all_to_all_payload"], [second[f"comm_r{r}_all_to_all_payload"] for r in (0, 1)]
+    assert all(c > 0 for c in counted) and 0.8 * planned <= sum(counted) / 2 <= planned, (counted, planned)

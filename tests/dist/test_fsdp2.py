@@ -10,7 +10,9 @@ tiny model folder, fp32, global batch 16 = micro × grad accumulation 2 × dp.
 - a non-finite loss stops every rank with exit code 3.
 - a worker (tests/dist/workers/fsdp2_checks.py under torchrun) checks what the CLI cannot show: a dp=2
   checkpoint loaded at tp=2 holds exactly the saved weights, the consolidated HF export gives the sharded model's
-  logits, and the per-rank model-state bytes match ZeRO-3's 16·M/N.
+  logits, the per-rank model-state bytes match ZeRO-3's 16·M/N, and optim=muon on DDP, FSDP2 (+ tp) and ZeRO-1/2/3
+  equals one-process torch.optim.Muon bit for bit.
+- optim=muon: FSDP2 against DDP (loss and grad norm), bitwise resume, and a dp=2 checkpoint resumed at dp=1.
 - meta init: only rank 0 builds the model (every run above loads a from_pretrained folder, so their
   parity is that of the meta path); a from_config model with tied embeddings trains as DDP does; a second
   worker checks each rank's weights, buffers, ties and RNG against what DDP builds, and that rank 1's
@@ -53,6 +55,9 @@ CONTENDERS = {
     "hsdp": (4, 2, ["backend=fsdp2", "backend.dp_replicate=2"]),  # 2 replicas × 2 shards
     "dp1": (1, 8, ["backend=fsdp2"]),
     "fsdp2_accum1": (2, 8, ["backend=fsdp2", "trainer.grad_accum_steps=1"]),  # no accumulation: equal to "fsdp2"
+    **{f"{name}_muon": (nproc, micro, [backend, "optim=muon"])  # Muon's momentum through DCP, resharded to dp1
+       for name, nproc, micro, backend in [("ddp", 2, 4, "backend=ddp"), ("fsdp2", 2, 4, "backend=fsdp2"),
+                                           ("dp1", 1, 8, "backend=fsdp2")]},
 }
 PARITY = [("llama", "fsdp2"), ("llama", "fsdp2_tp"), ("llama", "dp2_tp2"), ("llama", "hsdp"),
           ("qwen2", "fsdp2_tp"), ("qwen2", "dp2_tp2")]  # qwen2: GQA + q/k/v biases, which TP splits
@@ -74,7 +79,8 @@ def contender_args(name: str, model_dir: Path, out_dir: Path, *extra: str) -> tu
 # resumed run -> (the llama run whose step-5 checkpoint it loads, the contender that resumes it)
 RESUMED = {f"{source}_as_{name}": (source, name) for source, name in [
     ("fsdp2", "fsdp2"), ("fsdp2_tp", "fsdp2_tp"), ("hsdp", "hsdp"), ("dp2_tp2", "dp2_tp2"),  # same topology
-    ("fsdp2", "dp1"), ("fsdp2", "dp2_tp2")]}  # resharded
+    ("fsdp2", "dp1"), ("fsdp2", "dp2_tp2"),  # resharded
+    ("fsdp2_muon", "fsdp2_muon"), ("fsdp2_muon", "dp1_muon")]}
 TIED = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "trainer.eval_every_n_steps=0",
         "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "trainer.max_steps=3",
         "trainer.grad_accum_steps=1", "trainer.global_batch_size=16", "trainer.save_every_n_steps=0"]
@@ -86,7 +92,8 @@ def launches(root: Path, models: dict[str, Path]) -> list[tuple[int, list[tuple[
     runs, one launch per rank count: 2 ranks first, then 4 and 1, which resume checkpoints the 2-rank launch saved
     (the 4-rank ones also their own launch's, saved earlier in it)."""
     batches = {2: [], 4: [], 1: []}
-    for model, name in [("llama", "ddp"), ("qwen2", "ddp"), *PARITY, ("llama", "fsdp2_accum1")]:
+    for model, name in [("llama", "ddp"), ("qwen2", "ddp"), *PARITY, ("llama", "fsdp2_accum1"), ("llama", "ddp_muon"),
+                        ("llama", "fsdp2_muon")]:
         args, nproc = contender_args(name, models[model], root / f"{model}_{name}")
         batches[nproc].append((f"{model}_{name}", args))
     for tied, (micro, backend) in TIED_RUNS.items():
@@ -154,6 +161,24 @@ def test_dp2_checkpoint_resumes_resharded(runs, name, assert_close_series):
     assert_close_series(continued, reference, "grad_norm", 1e-6, 1e-5)
 
 
+def test_muon_parity_bitwise_resume_and_reshard(runs, assert_close_series):
+    """optim=muon: FSDP2 (dp=2) against DDP, loss of each step within 1e-5 relative, grad norm within 1e-4 (torch's
+    Newton-Schulz runs in bf16 and turns last-bit gradient differences into ~1e-5 weight differences; measured
+    1.1e-6 and 1.8e-5; the bitwise comparison with torch is the worker's, on equal gradients); resumed at step 5
+    on the same mesh bitwise, at dp=1 within 1e-5."""
+    reference, ours = read_metrics(runs("llama_ddp_muon"))[0], read_metrics(runs("llama_fsdp2_muon"))[0]
+    assert [r["lr"] for r in ours] == [r["lr"] for r in reference]
+    assert_close_series(ours, reference, "loss", 1e-6, 1e-5)
+    assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-4)
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    straight, continued = resume(runs, "fsdp2_muon", "fsdp2_muon")
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in continued] == [r[key] for r in straight]
+    straight, continued = resume(runs, "fsdp2_muon", "dp1_muon")
+    assert [r["lr"] for r in continued] == [r["lr"] for r in straight]
+    assert_close_series(continued, straight, "loss", 1e-6, 1e-5)
+
+
 def test_resharded_load_export_and_bytes(runs, tiny_model_dir, tmp_path):
     """Worker under torchrun, 2 ranks (`worker` in tests/dist/workers/fsdp2_checks.py)."""
     import torch
@@ -178,6 +203,10 @@ def test_resharded_load_export_and_bytes(runs, tiny_model_dir, tmp_path):
         assert abs(report["model_state_bytes"] - expected) <= 0.05 * expected, report
     assert sum(r["model_state_bytes"] for r in reports) == 16 * reports[0]["parameters"]  # nothing duplicated
     assert reports[0]["export_logits_max_abs_diff"] <= 1e-6
+    # optim=muon on DDP, FSDP2, FSDP2 + tp, ZeRO-1/2/3: the weights after 3 steps are one-process
+    # torch.optim.Muon + AdamW's bit for bit (tests/dist/workers/muon_checks.py)
+    assert reports[0]["muon_max_abs_diff"] == {name: 0.0 for name in ("ddp", "fsdp2", "fsdp2_tp", "zero1", "zero2",
+                                                                        "zero3")}
     # the tp=2 engine loaded exactly the weights the dp=2 run saved (its export is those weights)
     dcp_to_torch_save(step_dir / "engines" / "policy" / "dcp", tmp_path / "saved.pt")
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)["model"]

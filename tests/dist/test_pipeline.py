@@ -12,7 +12,7 @@ steps 0, 3 and 6 (256 held-out examples in batches of 48: the last, of 16 rows, 
   pp 2 × tp 2 on 4 ranks (TP on each stage, then FSDP); tied embeddings (a copy on each end stage, gradients
   summed), and a one-process tied checkpoint (the weight and its Adam state once) resumed at pp=2.
 - p2p: the bytes each rank hands to isend in steps 1 and 2 (metrics/comm.py counts them) are the planner's
-  (plan_pp.pipeline_p2p: hidden states forward, gradients back) plus the micro-batch index (b int64) each forward send
+  (plan.pp.pipeline_p2p: hidden states forward, gradients back) plus the micro-batch index (b int64) each forward send
   carries, for 1f1b, interleaved (4 stages on 2 ranks) and the reward model's packed pair rows.
 - LoRA (peft=lora, 1f1b): equal to one process with LoRA, bitwise on resume, its checkpoint the adapters only, its
   `adapter/` and merged `hf/` exports one process's, its planned states per rank (frozen base, trained adapters) the
@@ -82,6 +82,7 @@ PAIRS = ["trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.grad_accu
          "trainer.eval_batch_size=16", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "optim.warmup_steps=2",
          "optim.weight_decay=0.1", "model.from_config=null", "model.tokenizer=null", "backend=fsdp2"]
 DPO = ["recipe=dpo_tiny", "dpo.beta=0.5", "dpo.precompute_ref_logps=true"]
+KTO = ["recipe=kto_tiny", "kto.beta=0.5", "kto.precompute_ref_logps=true"]  # 8 completions a step (the pairs unpaired)
 # name: (processes, overrides), each after PAIRS, the saved model and the held-out pairs
 PAIR_RUNS = {
     "rm_one": (1, ["recipe=rm_tiny"]),
@@ -91,6 +92,8 @@ PAIR_RUNS = {
     "dpo_dp2_pp2": (4, [*DPO, *PP, "backend.pp_schedule=1f1b", "trainer.micro_batch_size=1"]),  # 1 × M 4 × dp 2 = 8
     "orpo_one": (1, ["recipe=orpo_tiny"]),
     "orpo_1f1b": (2, ["recipe=orpo_tiny", *PP, "backend.pp_schedule=1f1b"]),
+    "kto_one": (1, KTO),
+    "kto_gpipe": (2, [*KTO, *PP, "backend.pp_schedule=gpipe"]),
 }
 
 
@@ -261,17 +264,20 @@ def test_mfu_counts_each_ranks_share_of_a_tokens_flops(runs, name, peers):
 
 PAIR_METRICS = {"rm": ("accuracy", "margin", "reward_chosen", "reward_rejected"),
                 "dpo": ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected"),
-                "orpo": ("reward_accuracy", "reward_margin", "nll_loss", "log_odds_ratio")}
+                "orpo": ("reward_accuracy", "reward_margin", "nll_loss", "log_odds_ratio"),
+                "kto": ("reward_margin", "logp_chosen", "logp_rejected", "kl")}
 PAIR_EVAL = {"rm": ("eval_loss", "eval_margin", "eval_reward_mean", "eval_reward_std"),
-             "dpo": ("eval_loss", "eval_reward_margin"), "orpo": ("eval_loss", "eval_nll_loss", "eval_reward_margin")}
+             "dpo": ("eval_loss", "eval_reward_margin"), "orpo": ("eval_loss", "eval_nll_loss", "eval_reward_margin"),
+             "kto": ("eval_loss", "eval_reward_margin", "eval_kl")}
 
 
 @pytest.mark.parametrize("name,reference", [("rm_1f1b", "rm_one"), ("dpo_gpipe", "dpo_one"), ("orpo_1f1b", "orpo_one"),
-                                            ("dpo_dp2_pp2", "dpo_one")])
+                                            ("dpo_dp2_pp2", "dpo_one"), ("kto_gpipe", "kto_one")])
 def test_pair_stages_through_the_pipeline_equal_one_process(runs, name, reference, assert_close_series):
     (ours, our_evals), (theirs, their_evals) = read_metrics(runs(name)), read_metrics(runs(reference))
     stage = name.split("_")[0]
-    assert [r["step"] for r in ours] == [1, 2, 3, 4] and [r["pairs"] for r in ours] == [8] * 4
+    counted = "completions" if stage == "kto" else "pairs"
+    assert [r["step"] for r in ours] == [1, 2, 3, 4] and [r[counted] for r in ours] == [8] * 4
     assert_close_series(ours, theirs, "loss", 1e-6, 1e-5)
     assert_close_series(ours, theirs, "grad_norm", 1e-6, 1e-5)
     for key in PAIR_METRICS[stage]:  # computed on the last stage, in rank 0's metrics.jsonl
@@ -381,7 +387,7 @@ def test_plan_state_is_each_pp_ranks_own_and_the_planners_line(runs, name):
     and the planner's per-pp-rank lines (`python -m
     llmtrain.plan`), as do the activations and chunks in flight at that shape."""
     from llmtrain.compose import compose_config
-    from llmtrain.plan import plan_text
+    from llmtrain.plan.report import plan_text
 
     run = runs(name)
     first = read_metrics(run)[0][0]

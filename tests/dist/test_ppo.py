@@ -134,7 +134,7 @@ def test_lora_on_fsdp2_matches_lora_on_ddp(runs, stage, assert_close_series):
 
 @pytest.mark.parametrize("stage,backend", [("ppo", "ddp"), ("ppo", "zero3"), ("ppo", "fsdp2"), ("grpo", "zero3")])
 def test_counted_communication_of_an_iteration_matches_the_plan(runs, stage, backend):
-    """The planner's iteration (llmtrain/plan_rl.py: the actor gathered for generation, every role's experience
+    """The planner's iteration (llmtrain/plan/rl.py: the actor gathered for generation, every role's experience
     forward, epochs × mini-batches of actor and critic updates) against the collectives counted on each rank in
     iteration 2: every kind of weight traffic within 5 % (payload and ring wire bytes)."""
     second = read_metrics(runs(f"{stage}_{backend}"))[0][1]

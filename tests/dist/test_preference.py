@@ -1,5 +1,5 @@
-"""Reward model, DPO, SimPO and ORPO under torchrun (gloo, 2 CPU ranks): parity of ZeRO-2, ZeRO-3 and FSDP2 with DDP,
-frozen reference engines on every backend, bitwise resume, random init that does not depend on the backend, and
+"""Reward model, DPO, SimPO, ORPO and KTO under torchrun (gloo, 2 CPU ranks): parity of ZeRO-2, ZeRO-3 and FSDP2 with
+DDP, frozen reference engines on every backend, bitwise resume, random init that does not depend on the backend, and
 sequence parallelism (backend.sp=2: both ranks share every packed row of pairs, dp 1) against the DDP runs.
 
 Every pair run loads the same saved tiny Llama (the reward head, missing from it, comes from the seeded init),
@@ -22,13 +22,14 @@ pytestmark = pytest.mark.dist
 
 DATA = REPO / "llmtrain" / "assets" / "data"
 BACKENDS = {"ddp": [], "zero2": ["backend=zero2"], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
-STAGES = ("rm", "dpo", "simpo", "orpo")
+STAGES = ("rm", "dpo", "simpo", "orpo", "kto")
+COUNTED = {"kto": "completions"}  # what a step counts (the others: pairs)
 FROM_CONFIG = ["recipe=sft_tiny", "trainer.max_steps=1", "trainer.eval_every_n_steps=1", "trainer.save_every_n_steps=0",
                "model.dropout=0.0", "trainer.seed=5"]
 FROM_CONFIG_RUNS = {"single": ("ddp", 1), "ddp": ("ddp", 2), "zero3": ("zero3", 2), "fsdp2": ("fsdp2", 2)}
 # test_parity_with_ddp's (backend, stage) pairs (its docstring says why not all twelve)
 PARITY = [("zero2", "dpo"), ("zero3", "rm"), ("zero3", "dpo"), ("zero3", "simpo"), ("zero3", "orpo"), ("fsdp2", "rm"),
-          ("fsdp2", "dpo"), ("fsdp2", "orpo")]
+          ("fsdp2", "dpo"), ("fsdp2", "orpo"), ("zero3", "kto"), ("fsdp2", "kto")]
 SP2 = ("backend.sp=2", "trainer.micro_batch_size=4")  # dp 1: the same 8 pairs a step as dp 2 × micro 2
 SP_RUNS = {  # tag -> (stage, backend, overrides, ranks)
     "rm_zero2": ("rm", "zero2", SP2, 2),
@@ -36,16 +37,19 @@ SP_RUNS = {  # tag -> (stage, backend, overrides, ranks)
     # the reference's log-probs computed once, before training, on sequence shards (stages/reference_cache.py)
     "dpo_zero2_precomputed": ("dpo", "zero2", (*SP2, "dpo.precompute_ref_logps=true"), 2),
     "orpo_zero3_dp2": ("orpo", "zero3", ("backend.sp=2",), 4),  # 4 ranks: dp 2 × sp 2, micro 2 as DDP's
+    "kto_zero2": ("kto", "zero2", SP2, 2),  # completions and their KL sequences sharded, z0 over the global batch
 }
 PAIR_RUNS = {  # name -> (stage, backend, overrides, ranks)
     **{f"{stage}_ddp": (stage, "ddp", (), 2) for stage in STAGES},
     **{f"{stage}_{backend}": (stage, backend, (), 2) for backend, stage in PARITY},
     **{f"{stage}_fsdp2_full_logits": (stage, "fsdp2", ("model.fused_loss=off",), 2) for stage in ("dpo", "orpo")},
     "dpo_zero3_precomputed": ("dpo", "zero3", ("dpo.precompute_ref_logps=true",), 2),
+    "kto_fsdp2_precomputed": ("kto", "fsdp2", ("kto.precompute_ref_logps=true",), 2),
     **{f"{tag}_sp2": spec for tag, spec in SP_RUNS.items()},
 }
 # runs resumed from their step-3 checkpoint into NAME_resumed, in the same launch after every straight run
-RESUMED = ("rm_fsdp2", "dpo_ddp", "dpo_zero3", "dpo_fsdp2", "simpo_zero3", "orpo_fsdp2", "dpo_zero3_precomputed")
+RESUMED = ("rm_fsdp2", "dpo_ddp", "dpo_zero3", "dpo_fsdp2", "simpo_zero3", "orpo_fsdp2", "dpo_zero3_precomputed",
+           "kto_zero3")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,8 @@ def runs(tiny_model_dir, tmp_path_factory, pair_args):
     root = tmp_path_factory.mktemp("preference")
     eval_file = root / "eval.jsonl"
     eval_file.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(True)[:32]))
+    kto_eval = root / "kto_eval.jsonl"  # 64 held-out pairs: KTO's eval forwards 4 sequences a pair (and KL ones)
+    kto_eval.write_text("".join((DATA / "reverse_prefs_easy_eval.jsonl").read_text().splitlines(True)[:64]))
     launches: dict[int, list[tuple[str, list[str]]]] = {}
 
     def add(name: str, ranks: int, args: list[str]) -> None:
@@ -61,7 +67,9 @@ def runs(tiny_model_dir, tmp_path_factory, pair_args):
 
     def pair(name: str, *extra: str) -> list[str]:
         stage, backend, overrides, _ = PAIR_RUNS[name]
-        return [*pair_args(stage), f"model.name_or_path={tiny_model_dir}", *BACKENDS[backend], *overrides, *extra]
+        own = [f"data.eval_files=[{kto_eval}]"] if stage == "kto" else []
+        return [*pair_args(stage), f"model.name_or_path={tiny_model_dir}", *BACKENDS[backend], *overrides, *own,
+                *extra]
 
     for name, (*_, ranks) in PAIR_RUNS.items():
         add(name, ranks, pair(name))
@@ -80,7 +88,8 @@ def test_parity_with_ddp(runs, stage, backend, assert_close_series):
     ZeRO-2 by DPO only (test_sp2_equals_ddp's rm_zero2 and dpo_zero2_precomputed compare ZeRO-2 with DDP too), and
     SimPO on ZeRO-3 only (FSDP2 by RM, DPO and ORPO); every stage and backend keeps a parity check with DDP."""
     reference, ours = read_metrics(runs(f"{stage}_ddp")), read_metrics(runs(f"{stage}_{backend}"))
-    assert [r["pairs"] for r in ours[0]] == [r["pairs"] for r in reference[0]] == [8] * 6
+    counted = COUNTED.get(stage, "pairs")
+    assert [r[counted] for r in ours[0]] == [r[counted] for r in reference[0]] == [8] * 6
     assert [r["lr"] for r in ours[0]] == [r["lr"] for r in reference[0]]
     for key in ("loss", "grad_norm"):
         assert_close_series(ours[0], reference[0], key, 1e-6, 1e-5)
@@ -120,7 +129,7 @@ def test_dpo_starts_at_ln2_with_a_frozen_reference_that_saves_no_state(runs, bac
 
 
 @pytest.mark.parametrize("stage, backend", [("rm", "fsdp2"), ("dpo", "ddp"), ("dpo", "zero3"), ("dpo", "fsdp2"),
-                                            ("simpo", "zero3"), ("orpo", "fsdp2")])
+                                            ("simpo", "zero3"), ("orpo", "fsdp2"), ("kto", "zero3")])
 def test_bitwise_resume(runs, stage, backend):
     """6 steps straight vs the step-3 checkpoint resumed in a later run (after every straight run of the launch:
     nothing of the straight run is left in the process): identical losses and statistics (frozen roles are rebuilt
@@ -171,14 +180,15 @@ def test_sp2_equals_ddp(runs, tag, assert_close_series):
     dp 2 × sp 2 on 4 ranks (ZeRO partitions over all 4, the loss sums over dp × sp)."""
     stage = SP_RUNS[tag][0]
     reference, ours = read_metrics(runs(f"{stage}_ddp")), read_metrics(runs(f"{tag}_sp2"))
-    assert [r["pairs"] for r in ours[0]] == [r["pairs"] for r in reference[0]] == [8] * 6
+    counted = COUNTED.get(stage, "pairs")
+    assert [r[counted] for r in ours[0]] == [r[counted] for r in reference[0]] == [8] * 6
     assert [r["lr"] for r in ours[0]] == [r["lr"] for r in reference[0]]
     for key in ("loss", "grad_norm"):
         assert_close_series(ours[0], reference[0], key, 1e-6, 1e-5)
     # Means of whole-sequence values (counted once: a pair counted by both peers would double them). Looser: they are
     # small differences of O(1) terms (rm's rewards ~0.03 drift 8e-7 by step 2; ZeRO-2 without sp drifts 2e-7).
     statistics = {"rm": ("margin", "reward_chosen"), "dpo": ("reward_margin", "logp_chosen"),
-                  "orpo": ("nll_loss", "log_odds_ratio")}[stage]
+                  "orpo": ("nll_loss", "log_odds_ratio"), "kto": ("reward_margin", "kl")}[stage]
     for key in statistics:
         assert_close_series(ours[0], reference[0], key, 1e-5, 1e-4, atol=2e-6)
     assert [e["eval_pairs"] for e in ours[1]] == [e["eval_pairs"] for e in reference[1]]
@@ -198,3 +208,18 @@ def test_random_init_is_the_same_on_every_backend_and_world_size(runs):
     losses = {name: read_metrics(runs(f"from_config_{name}"))[1][0]["eval_loss"] for name in FROM_CONFIG_RUNS}
     for _name, loss in losses.items():
         assert abs(loss - losses["single"]) <= 1e-6 * losses["single"], losses
+
+
+def test_kto_starts_at_one_half_and_precomputed_reference_trains_as_the_live_one(runs, assert_close_series):
+    """KTO: at step 1 the policy is its reference, so every completion's loss is 1 − σ(0) = 0.5 and z0 = 0 on every
+    backend; kto.precompute_ref_logps on FSDP2 (the table holds each completion's and its KL sequence's reference
+    log-probs) trains as the in-step reference within 1e-6 relative, evals included."""
+    for backend in ("ddp", "zero3", "fsdp2"):
+        first = read_metrics(runs(f"kto_{backend}"))[0][0]
+        assert abs(first["loss"] - 0.5) < 1e-6 and first["kl"] == 0 and first["reward_margin"] == 0, backend
+    live, cached = read_metrics(runs("kto_fsdp2")), read_metrics(runs("kto_fsdp2_precomputed"))
+    for key in ("loss", "grad_norm", "reward_margin", "kl"):
+        assert_close_series(cached[0], live[0], key, 1e-6, 1e-6, atol=1e-7)
+    assert_close_series(cached[1], live[1], "eval_loss", 1e-6, 1e-6)
+    assert (runs("kto_fsdp2_precomputed") / "ref_logps.pt").is_file()
+    assert not (runs("kto_fsdp2_precomputed") / "checkpoints" / "step_3" / "engines" / "reference").exists()

@@ -23,8 +23,8 @@ NOTEBOOK = REPO / "notebooks" / "preference_dashboard.ipynb"
 
 @pytest.fixture(scope="module")
 def recipe_runs(tmp_path_factory) -> dict:
-    """The four preference recipes as a user runs them, two at a time (one CPU core each)."""
-    return run_recipes(tmp_path_factory, ["rm_tiny", "dpo_tiny", "simpo_tiny", "orpo_tiny"])
+    """The five preference recipes as a user runs them, two at a time (one CPU core each)."""
+    return run_recipes(tmp_path_factory, ["rm_tiny", "dpo_tiny", "simpo_tiny", "orpo_tiny", "kto_tiny"])
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,18 @@ def test_reference_free_recipes_prefer_the_reversal(recipe, request):
     assert not (run_dir / "checkpoints" / f"step_{train[-1]['step']}" / "engines" / "reference").exists()
     if recipe == "orpo_tiny":
         assert all(0 < e["eval_nll_loss"] < e["eval_loss"] for e in evals)
+
+
+def test_kto_tiny_prefers_the_reversal_on_held_out_pairs(recipe_runs):
+    """KTO on the easy pairs unpaired: at step 0 the policy is its reference (every completion's loss 0.5, accuracy
+    0); after training the chosen completion's β·(log π − log π_ref) beats the rejected one's in >= 0.8 of the 256
+    held-out pairs (the README's threshold), and every step counts 32 completions."""
+    train, evals = read_metrics(recipe_runs["kto_tiny"])
+    assert evals[0]["step"] == 0 and abs(evals[0]["eval_loss"] - 0.5) < 1e-6
+    assert evals[0]["eval_reward_accuracy"] == 0 and evals[-1]["eval_pairs"] == 256
+    assert evals[-1]["eval_reward_accuracy"] >= 0.8, evals[-1]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert all(r["completions"] == 32 for r in train)
 
 
 @pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny", "simpo_tiny", "orpo_tiny"])

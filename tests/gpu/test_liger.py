@@ -9,6 +9,10 @@ selection and the refusals are tested on the CPU (tests/unit/test_liger_selectio
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+
 import pytest
 import torch
 
@@ -19,7 +23,7 @@ pytest.importorskip("liger_kernel", reason="liger_kernel is not installed: pip i
 from llmtrain.losses.lm import IGNORE_INDEX  # noqa: E402
 from llmtrain.models.fused_head import HeadQuery, asking, negative_log_likelihood, shifted_targets  # noqa: E402
 from llmtrain.models.load import build_model, load_tokenizer  # noqa: E402
-from tests.helpers import TOKENIZER_DIR, assert_ok, read_metrics, run_cli  # noqa: E402
+from tests.helpers import PYTHON, REPO, TOKENIZER_DIR, assert_ok, cli_env, read_metrics  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -62,10 +66,22 @@ def test_liger_equals_the_chunked_head(config, dtype):
 
 @pytest.mark.parametrize("recipe,kernel", [("sft_tiny", "liger"), ("dpo_tiny", "chunked")])
 def test_auto_picks_liger_for_sft_and_chunked_for_dpo(tmp_path, recipe, kernel):
-    """Two bf16 steps of each recipe under model.fused_loss=auto: the log names the summed loss's kernel."""
+    """Two bf16 steps of each recipe under model.fused_loss=auto, with Liger's fused linear cross-entropy wrapped to
+    record its calls (tests/gpu/workers/count_liger.py): SFT's training loss ran through it on the GPU, over the
+    model's whole vocabulary, at least once a step; DPO never called it. The log names the same kernel."""
+    calls_file = tmp_path / "liger_calls.json"
     args = [f"recipe={recipe}", "device=cuda", "precision=bf16", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
-            "trainer.save_every_n_steps=0", "model.fused_loss=auto", f"output_dir={tmp_path}"]
-    result = run_cli(args)
+            "trainer.save_every_n_steps=0", "model.fused_loss=auto", f"output_dir={tmp_path / 'run'}"]
+    result = subprocess.run([PYTHON, "-m", "tests.gpu.workers.count_liger", str(calls_file), *args], env=cli_env(),
+                            capture_output=True, text=True, timeout=600, cwd=REPO)
     assert_ok(result)
+    calls = json.loads(calls_file.read_text())
+    if kernel == "liger":
+        vocab = len(load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False))
+        assert len(calls) >= 2, calls  # one call or more per optimizer step
+        assert all(c["device"] == "cuda" and c["vocab"] == vocab and c["tokens"] > 0 for c in calls), calls
+        assert all(math.isfinite(c["loss"]) and c["loss"] > 0 for c in calls), calls
+    else:
+        assert calls == []  # per-token log-probs: the chunked head only
     assert f"summed loss: {kernel} (model.fused_loss=auto" in result.stdout + result.stderr
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(tmp_path)[0])
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(tmp_path / "run")[0])

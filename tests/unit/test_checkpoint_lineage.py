@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.checkpoint import COMPLETE, Checkpointer, _replace_dir, lineage
-from llmtrain.parallel import DistContext
+from llmtrain.distributed import DistContext
 
 
 def step(checkpoints: Path, n: int, parent: str | None, legacy: bool = False) -> Path:

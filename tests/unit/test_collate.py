@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 from llmtrain.data.collate import collate
@@ -103,28 +103,27 @@ def test_to_moves_every_tensor():
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa_segments", "sdpa", "eager"])
-def test_packed_rows_with_padding_give_finite_logits_and_match_unpadded(attn_implementation):
+def test_packed_rows_with_padding_give_finite_logits_and_match_unpadded(attn_implementation, tiny_llama):
     register_segment_attention()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    model = tiny_llama(attn_implementation=attn_implementation, max_position_embeddings=256).eval()
     short = merge_packed([sample([3, 4, 5]), sample([6, 7])])  # 5 tokens, padded to 11
     long = merge_packed([sample(list(range(10, 16))), sample(list(range(20, 25)))])  # 11 tokens
     with torch.no_grad():
         batch = collate([short, long], PAD).for_attention(attn_implementation)
         logits = model(**batch.model_inputs()).logits  # (2, 11, V)
-        # (1, 5, V)
-        short_alone = model(**collate([short], PAD).for_attention(attn_implementation).model_inputs()).logits
+        # each row alone, unpadded: (1, 5, V) and (1, 11, V)
+        alone = [model(**collate([row], PAD).for_attention(attn_implementation).model_inputs()).logits
+                 for row in (short, long)]
     assert torch.isfinite(logits).all()
     assert torch.isfinite(lm_loss_sum(logits, batch.labels))
-    assert torch.allclose(logits[0, :5], short_alone[0], atol=1e-5, rtol=0)
+    assert [a.shape[1] for a in alone] == [5, 11]
+    for row, row_alone in enumerate(alone):  # every row's real tokens, the padded short one and the full long one
+        torch.testing.assert_close(logits[row, :row_alone.shape[1]], row_alone[0], atol=1e-5, rtol=0)
 
 
-def test_unpacked_right_padded_rows_need_no_mask_under_causal_attention():
+def test_unpacked_right_padded_rows_need_no_mask_under_causal_attention(tiny_llama_config):
     register_segment_attention()
-    config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = tiny_llama_config(max_position_embeddings=256)
     torch.manual_seed(0)
     masked_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     segments_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_segments").eval()

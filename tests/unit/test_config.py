@@ -1,10 +1,12 @@
 """Every shipped yaml composes and validates; bad values fail with the field named."""
 
+import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from llmtrain.compose import available_recipes, compose_config, conf_dir
+from llmtrain.compose import available_recipes, compose_config, conf_dir, recipes_dir
 from llmtrain.config import ConfigError
 from llmtrain.models.load import model_config
 from llmtrain.validation import validate
@@ -16,9 +18,15 @@ def compose_ok(*overrides: str, world_size: int = 1):
     return cfg
 
 
+def recipe_world_size(recipe: str) -> int:
+    """The processes a recipe is written for: its header's `--nproc_per_node N` (the 7B/8B recipes: 8), else 1."""
+    found = re.search(r"--nproc_per_node (\d+)", (recipes_dir() / f"{recipe}.yaml").read_text())
+    return int(found.group(1)) if found else 1
+
+
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_every_recipe_composes_and_validates(recipe):
-    cfg = compose_ok(f"recipe={recipe}")
+    cfg = compose_ok(f"recipe={recipe}", world_size=recipe_world_size(recipe))
     assert cfg.recipe == recipe and cfg.output_dir == f"runs/{recipe}"
     m = cfg.model
     arch = model_config(m.name_or_path, m.from_config, m.config_path, m.trust_remote_code)
@@ -31,21 +39,50 @@ def group_options():
             for option in sorted(group.glob("*.yaml"))]
 
 
+def leaves(node, prefix: str = "") -> dict:
+    """{dotted key: plain value} of a yaml's leaves (lists whole), its defaults list left out."""
+    found = {}
+    for key, value in node.items():
+        if key == "defaults" and not prefix:
+            continue
+        if isinstance(value, dict) or OmegaConf.is_dict(value):
+            found.update(leaves(value, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return found
+
+
+def option_leaves(group: str, option: str) -> dict:
+    """What conf/GROUP/OPTION.yaml sets, as dotted keys of the whole config (a `# @package _global_` file's keys
+    are already global); values with an interpolation (${asset:...}) left out."""
+    path = conf_dir() / group / f"{option}.yaml"
+    prefix = "" if "@package _global_" in path.read_text() else f"{group}."
+    return {prefix + key: value for key, value in leaves(OmegaConf.load(path)).items() if "${" not in str(value)}
+
+
 @pytest.mark.parametrize("group,option", group_options())
 def test_every_group_option_composes(group, option):
     pairs = ["data.packing=false"]
     rl = ["data=reverse", "ppo.reward.function=llmtrain.rewards.reversal:score", *pairs]
-    extra = {"stage": {"pretrain": ["override data=grammar"], "sft": ["data=reverse"],
+    extra = {"stage": {"pretrain": ["data=grammar"], "sft": ["data=reverse"],
                        "reward": ["data=reverse_prefs", *pairs], "dpo": ["data=reverse_prefs_easy", *pairs],
                        "simpo": ["data=reverse_prefs_easy", *pairs], "orpo": ["data=reverse_prefs_easy", *pairs],
-                       "ppo": rl, "grpo": rl},
+                       "kto": ["data=reverse_prefs_easy", *pairs], "ppo": rl, "grpo": rl},
              "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"], "reverse_prefs": ["stage=reward", *pairs],
                       "reverse_prefs_easy": ["stage=dpo", *pairs], "hh_rlhf": ["stage=reward", *pairs],
                       "ultrafeedback_prompts": ["stage=ppo", *rl[1:]]}}
-    overrides = [o for o in extra.get(group, {}).get(option, []) if not o.startswith("override")]
+    overrides = extra.get(group, {}).get(option, [])
     world_size = {("backend", "fsdp2_tp"): 2}.get((group, option), 1)  # tp=2 needs two ranks
     cfg = compose_ok("recipe=pretrain_tiny", f"{group}={option}", *overrides, world_size=world_size)
-    assert cfg is not None
+    # every value the option's yaml sets is in the composed config, save those the recipe or the command line set
+    # after it (pretrain_tiny's data.packing, trainer.*, optim.lr, ...; a pair's data.packing=false)
+    later = leaves(OmegaConf.load(recipes_dir() / "pretrain_tiny.yaml")).keys() | {o.split("=")[0] for o in overrides}
+    expected = {key: value for key, value in option_leaves(group, option).items()
+                if not any(key == k or key.startswith(f"{k}.") for k in later)}
+    assert expected, (group, option)  # the check below compares something
+    for key, value in expected.items():
+        got = OmegaConf.select(cfg, key)
+        assert (OmegaConf.to_container(got) if OmegaConf.is_config(got) else got) == value, (key, got, value)
 
 
 def test_cli_group_choice_beats_the_recipe():
@@ -127,7 +164,7 @@ def test_recipe_from_a_path(tmp_path: Path):
 @pytest.mark.parametrize("override, message", [
     ("model.compile=true", "config: model.compile is not a field of model; model has: name_or_path,"),
     ("trainer.max_step=3", "did you mean trainer.max_steps?"),
-    ("beta=1", "did you mean dpo.beta or simpo.beta or orpo.beta?"),
+    ("beta=1", "did you mean dpo.beta or simpo.beta or orpo.beta or kto.beta?"),
     ("backend.zero_stage=2", "backend.zero_stage is a field of the deepspeed backend (backend=deepspeed/zero0"),
     ("backend.pp=2", "backend.pp is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp)"),
     ("backend.cp=2", "backend.cp: no backend has context parallelism yet"),

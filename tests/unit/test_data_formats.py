@@ -8,18 +8,11 @@ import copy
 
 import datasets
 import pytest
-from transformers import AutoTokenizer
 
 from llmtrain.data.dataset import build_examples
 from llmtrain.data.errors import DataConfigError
 from llmtrain.data.formats import FORMATS, check_columns
 from llmtrain.losses.lm import IGNORE_INDEX
-from llmtrain.models.tiny_tokenizer import TOKENIZER_DIR
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 def target_runs(tokenizer, encoded: dict) -> list[str]:

@@ -202,9 +202,9 @@ def test_reference_free_pair_stages_add_the_router_loss(stage_name):
     sequence classifier drops the router logits from its output: they are taken from its backbone's."""
     from llmtrain.backends.base import OptimizerSpec
     from llmtrain.backends.ddp import DDPBackend
+    from llmtrain.distributed import DistContext
     from llmtrain.losses.lm import IGNORE_INDEX
     from llmtrain.losses.pairwise import pairwise_loss_sum
-    from llmtrain.parallel import DistContext
     from llmtrain.roles import ModelOptions, build_engines
     from llmtrain.stages.base import ModelSource
     from llmtrain.stages.orpo import ORPOStage

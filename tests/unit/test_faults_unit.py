@@ -31,7 +31,7 @@ def test_agree_to_stop_without_a_process_group_is_the_local_flag():
 
 
 def test_collective_failure_names_rank_step_what_and_the_setting(monkeypatch):
-    from llmtrain import parallel
+    from llmtrain import distributed as parallel
 
     monkeypatch.setattr(parallel, "_abandoned", False)  # restored after the test
     with pytest.raises(faults.CollectiveFailure) as raised:

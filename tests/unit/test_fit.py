@@ -1,4 +1,4 @@
-"""A run that cannot fit stops before it loads (llmtrain/plan_fit.py `Budget`, `fit_problems`, `run_fit_problems`): the
+"""A run that cannot fit stops before it loads (llmtrain/plan/fit.py `Budget`, `fit_problems`, `run_fit_problems`): the
 decision on hand-made rows (a GPU: one device per rank; a CPU: the host's RAM over its local ranks, offload
 included), the message's numbers and fixes, plan.enforce_fit=false, dry runs and the planner command that only
 print, the tiny recipes that still pass, and the CLI on transformers' default Qwen3 config (~11B parameters: the
@@ -18,9 +18,9 @@ from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.metrics.cost import GIB, Layout, StateBytes
 from llmtrain.metrics.devices import GPUS, Gpu, host_memory_gib
-from llmtrain.plan import plan_run
-from llmtrain.plan_core import USABLE, Row
-from llmtrain.plan_fit import Budget, fit_budget, fit_problems, local_ranks, run_fit_problems
+from llmtrain.plan.core import USABLE, Row
+from llmtrain.plan.fit import Budget, fit_budget, fit_problems, local_ranks, run_fit_problems
+from llmtrain.plan.report import plan_run
 from tests.helpers import REPO, cli_env
 
 # transformers' Qwen3Config() as it ships: 32 layers, h=4096, i=22016, ~11B parameters (the tiny group's fields
@@ -168,7 +168,7 @@ def test_the_tiny_recipes_fit(args):
 
 
 def test_the_planner_command_prints_a_plan_that_does_not_fit():
-    from llmtrain.plan import plan_text
+    from llmtrain.plan.report import plan_text
 
     assert "ddp: does NOT fit at micro-batch 32" in plan_text(compose_config([*QWEN3, *HOST]))
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from llmtrain.backends.base import OptimizerSpec
 from llmtrain.backends.ddp import DDPBackend
 from llmtrain.data.packing import merge_packed
+from llmtrain.distributed import DistContext
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.fused_head import (
@@ -25,8 +26,7 @@ from llmtrain.models.fused_head import (
     negative_log_likelihood,
     shifted_targets,
 )
-from llmtrain.models.load import build_model, load_tokenizer
-from llmtrain.parallel import DistContext
+from llmtrain.models.load import build_model
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.stages.base import ModelSource, Updater
 from llmtrain.stages.causal_lm import CausalLMStage
@@ -34,7 +34,6 @@ from llmtrain.stages.dpo import DPOStage
 from llmtrain.stages.head import action_answer
 from llmtrain.stages.orpo import ORPOStage
 from llmtrain.stages.simpo import SimPOStage
-from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
@@ -43,11 +42,6 @@ SCALED = {"cohere": {**TINY, "model_type": "cohere", "logit_scale": 0.25},
           "granite": {**TINY, "model_type": "granite", "logits_scaling": 4.0}}
 CHUNK = 7  # tokens per chunk: not a divisor of any batch here, so the last chunk is short
 REL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
 def assert_rel(ours, reference, rel=REL, scale=None):

@@ -11,9 +11,9 @@ from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.models.fused_head import HeadQuery, negative_log_likelihood
 from llmtrain.models.fused_head import liger_computes as computes
-from llmtrain.models.liger import head_kernel
+from llmtrain.models.liger import head_kernel, liger_installed
 from llmtrain.models.vocab_parallel import VocabShard
-from llmtrain.validation import validate
+from llmtrain.validation import config_problems, validate
 
 
 @pytest.mark.parametrize("fused_loss,device,tp,stage,lm_sum,installed,kernel,why", [
@@ -58,5 +58,11 @@ def test_an_explicit_liger_that_cannot_run_is_refused_by_validation(overrides, w
 
 
 def test_auto_and_chunked_pass_validation_on_the_cpu():
+    """auto and chunked leave validation nothing to say on the CPU and both run the chunked head there, where the
+    same config with an explicit liger is refused (the check ran on this config)."""
     for choice in ("auto", "chunked"):
-        validate(compose_config(["recipe=sft_tiny", f"model.fused_loss={choice}", "device=cpu"]), 1)
+        cfg = compose_config(["recipe=sft_tiny", f"model.fused_loss={choice}", "device=cpu"])
+        assert cfg.model.fused_loss == choice and config_problems(cfg, 1) == []
+        assert head_kernel(choice, "cpu", 1, cfg.stage.name, True, liger_installed())[0] == "chunked"
+    liger = compose_config(["recipe=sft_tiny", "model.fused_loss=liger", "device=cpu"])
+    assert any("model.fused_loss=liger" in problem for problem in config_problems(liger, 1))

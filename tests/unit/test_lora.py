@@ -8,7 +8,7 @@ import torch
 
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
-from llmtrain.models.load import build_model, load_tokenizer
+from llmtrain.models.load import build_model
 from llmtrain.models.lora import (
     LoraSettings,
     adapter_dir_for,
@@ -18,16 +18,10 @@ from llmtrain.models.lora import (
     unwrap_peft,
 )
 from llmtrain.validation import validate
-from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=None)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
 def build(tokenizer, lora=LORA, head="lm", seed=0, activation_checkpointing=False):
@@ -174,7 +168,7 @@ def dpo_engines(tokenizer, lora):
     """A DPO stage's engines on one process (DDP backend, world 1), policy with `lora`."""
     from llmtrain.backends.base import OptimizerSpec
     from llmtrain.backends.ddp import DDPBackend
-    from llmtrain.parallel import DistContext
+    from llmtrain.distributed import DistContext
     from llmtrain.roles import ModelOptions, build_engines
     from llmtrain.stages.base import ModelSource
     from llmtrain.stages.dpo import DPOStage
@@ -244,7 +238,7 @@ def test_plan_counts_the_frozen_base_as_weights_only():
     """The dry-run plan under peft=lora: the adapters' count (the formula, from the architecture alone) with grads
     and Adam, the base as fp32 weights; DPO's reference holds nothing of its own."""
     from llmtrain.metrics.flops import human
-    from llmtrain.plan import plan_run
+    from llmtrain.plan.report import plan_run
 
     cfg = compose_config(["recipe=lora_sft_tiny"])
     plan = plan_run(cfg, 1, torch.device("cpu"), "fp32").text

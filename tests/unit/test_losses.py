@@ -3,9 +3,9 @@
 import math
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens, lm_correct_count, lm_loss_sum
+from tests import helpers
 
 
 def test_loss_sum_matches_hand_computation():
@@ -30,10 +30,7 @@ def test_zero_target_batch_is_finite_with_zero_gradient():
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).float()
+    return helpers.tiny_llama(vocab_size=50, hidden_size=32, intermediate_size=64, max_position_embeddings=64).float()
 
 
 def samples_of_different_lengths():

@@ -5,7 +5,6 @@ import itertools
 import datasets
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from llmtrain.data.collate import collate
 from llmtrain.data.dataset import build_examples
@@ -14,21 +13,13 @@ from llmtrain.data.packing import merge_packed, pack_best_fit
 from llmtrain.losses.lm import IGNORE_INDEX, count_target_tokens, lm_loss_sum
 from llmtrain.models.attention import register_segment_attention
 from llmtrain.models.flex import register_flex_attention
-from llmtrain.models.tiny_tokenizer import TOKENIZER_DIR
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+from tests import helpers
 
 
 def tiny_llama(attn_implementation: str):
     register_segment_attention()
     register_flex_attention()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    return helpers.tiny_llama(attn_implementation=attn_implementation, max_position_embeddings=256).eval()
 
 
 def test_pack_best_fit_fills_rows_longest_first():

@@ -5,11 +5,16 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoConfig
 
-from llmtrain.backends import BACKENDS
+from llmtrain.backends import backend_model_problems, backend_problems
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.parallel import ParallelDims
+from llmtrain.parallel.tp import divisibility_problems
 from llmtrain.validation import data_parallel_size, validate
+
+
+def model_check(backend, world_size: int, arch) -> list[str]:
+    return backend_model_problems(backend, world_size, lambda: arch)
 
 EVERY_DEGREE = ("backend.dp_replicate=", "backend.dp_shard=", "backend.tp=")
 
@@ -33,7 +38,7 @@ def backend(**fields):
     (1, 1, 1, 1, (1, 1, 1)),
 ])
 def test_degrees_resolve(dp_replicate, dp_shard, tp, world, resolved):
-    dims = ParallelDims.build(dp_replicate, dp_shard, tp, world)
+    dims = ParallelDims.build(world, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == resolved
     assert dims.dp_size == resolved[0] * resolved[1] == world // tp
 
@@ -47,34 +52,36 @@ def test_degrees_resolve(dp_replicate, dp_shard, tp, world, resolved):
 ])
 def test_bad_degrees_name_every_degree(dp_replicate, dp_shard, tp, world, needle):
     with pytest.raises(ConfigError) as error:
-        ParallelDims.build(dp_replicate, dp_shard, tp, world)
+        ParallelDims.build(world, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     message = str(error.value)
     assert needle in message and f"world size {world}" in message, message
     assert all(name in message for name in ("backend.dp_replicate=", "backend.tp=")), message
 
 
 def test_mismatch_message_prints_every_degree():
-    [message] = ParallelDims.problems(2, 3, 2, 8)
+    [message] = ParallelDims.problems(8, dp_replicate=2, dp_shard=3, tp=2)
     assert all(name in message for name in EVERY_DEGREE)
     assert "backend.dp_replicate=2 × backend.dp_shard=3 × backend.tp=2 = 12" in message
 
 
 def test_tp_must_divide_heads_kv_heads_and_mlp():
-    dims = ParallelDims.build(1, -1, 3, 3)
-    problems = dims.model_problems(model_type="llama", num_heads=4, num_kv_heads=2, intermediate_size=128)
+    dims = ParallelDims.build(3, tp=3)
+    problems = divisibility_problems(dims, "llama", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                     "intermediate_size": 128})
     assert [p.split(" (")[0] for p in problems] == [
         "backend.tp=3 must divide the model's num_attention_heads=4",
         "backend.tp=3 must divide the model's num_key_value_heads=2",
         "backend.tp=3 must divide the model's intermediate_size=128"]
     assert all(name in problems[0] for name in EVERY_DEGREE) and "pick a tp among [1, 2]" in problems[0]
     # GQA: 8 heads, 2 kv-heads -> tp=4 splits the query heads but not the kv-heads
-    gqa = ParallelDims.build(1, -1, 4, 4).model_problems(model_type="qwen2", num_heads=8, num_kv_heads=2,
-                                                         intermediate_size=128)
+    gqa = divisibility_problems(ParallelDims.build(4, tp=4), "qwen2", {"num_attention_heads": 8,
+                                                                         "num_key_value_heads": 2,
+                                                                         "intermediate_size": 128})
     assert len(gqa) == 1 and "num_key_value_heads=2" in gqa[0]
 
 
 def test_fsdp2_model_check_on_architectures():
-    check = BACKENDS["fsdp2"].model_problems
+    check = model_check
     assert check(backend(tp=2), 4, arch("llama")) == []
     assert check(backend(tp=2), 2, arch("qwen2")) == []
     assert check(backend(tp=1), 2, arch("gpt2")) == []  # plain FSDP2 shards any architecture
@@ -86,7 +93,7 @@ def test_fsdp2_model_check_on_architectures():
 
 
 def test_fsdp2_config_check_through_validate():
-    assert BACKENDS["fsdp2"].problems(backend(tp=2), 4) == []
+    assert backend_problems(backend(tp=2), 4) == []
     cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2_tp", "backend.dp_shard=4"])
     with pytest.raises(ConfigError, match=r"backend\.dp_shard=4 × backend\.tp=2 = 8, not the world size 4"):
         validate(cfg, world_size=4)
@@ -103,15 +110,16 @@ def test_tp_peers_share_data():
 
 
 def test_mesh_dims():
-    assert ParallelDims.build(1, -1, 2, 8).dp_dim_names == ("dp_shard",)
-    assert ParallelDims.build(2, -1, 1, 8).dp_dim_names == ("dp_replicate", "dp_shard")
-    assert str(ParallelDims.build(2, -1, 2, 8)) == "world 8 = dp_replicate 2 × dp_shard 2 × tp 2 (data parallel 4)"
+    assert ParallelDims.build(8, tp=2).dp_dim_names == ("dp_shard",)
+    assert ParallelDims.build(8, dp_replicate=2).dp_dim_names == ("dp_replicate", "dp_shard")
+    assert str(ParallelDims.build(8, dp_replicate=2, tp=2)) == \
+        "world 8 = dp_replicate 2 × dp_shard 2 × tp 2 (data parallel 4)"
 
 
 def test_fsdp2_model_check_on_the_families_tp_styles():
     """qk-norms, Phi-3's gathered fused projections and MoE experts are mapped; experts must split evenly over tp;
     a style nobody maps is refused by name."""
-    check = BACKENDS["fsdp2"].model_problems
+    check = model_check
     for family, fields in [("qwen3", {}), ("gemma3_text", {}), ("phi3", {}),
                            ("mixtral", {"num_local_experts": 4}), ("qwen3_moe", {"num_experts": 4})]:
         assert check(backend(tp=2), 2, arch(family, **fields)) == [], family
@@ -141,7 +149,7 @@ def test_experts_split_over_tp_whichever_plan_names_them(tp_entries, ep_entries)
 def test_experts_that_are_not_routed_experts_are_refused_under_tp():
     """Llama-4's experts take tokens pre-sorted per expert, not transformers' routed call that the experts style wraps:
     tp > 1 is refused before any weight loads, naming the module and what works."""
-    check = BACKENDS["fsdp2"].model_problems
+    check = model_check
     llama4 = arch("llama4_text", intermediate_size_mlp=128, num_hidden_layers=2, num_local_experts=4)
     [refused] = check(backend(tp=2), 2, llama4)
     assert "Llama4TextExperts is not called the way transformers' routed experts are" in refused

@@ -7,13 +7,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from llmtrain.backends import BACKENDS, data_parallel_size
+from llmtrain.backends import backend_model_problems, data_parallel_size
 from llmtrain.backends.pipeline import PipelineIdentity, stage_copy
 from llmtrain.backends.pipeline_checks import StageCosts, describe_stage, rank_stages, split_blocks, stage_ranks
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.parallel import ParallelDims
 from llmtrain.validation import config_problems
+
+
+def model_check(backend, world_size: int, arch) -> list[str]:
+    return backend_model_problems(backend, world_size, lambda: arch)
 
 # ---- the split ---------------------------------------------------------------------------------------------------
 
@@ -87,13 +91,13 @@ def test_stages_in_sequence_give_the_models_logits():
 # ---- the pp dimension ------------------------------------------------------------------------------------------------
 
 def test_pp_takes_its_share_of_the_world():
-    dims = ParallelDims.build(1, -1, 1, 8, pp=2)
+    dims = ParallelDims.build(8, pp=2)
     assert (dims.pp, dims.dp_shard, dims.dp_size) == (2, 4, 4)
-    assert dims.degrees == {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "sp": 1, "tp": 1}
+    assert dims.degrees == {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "sp": 1, "tp": 1, "ep": 1}
     assert "pp 2 × " in str(dims)
-    [message] = ParallelDims.problems(1, -1, 1, 6, pp=4)
+    [message] = ParallelDims.problems(6, pp=4)
     assert "world size 6 divisible by backend.pp=4 × backend.dp_replicate=1 × backend.tp=1 = 4" in message
-    [message] = ParallelDims.problems(1, 2, 1, 8, pp=2)
+    [message] = ParallelDims.problems(8, dp_shard=2, pp=2)
     assert "backend.pp=2 × backend.dp_replicate=1 × backend.dp_shard=2 × backend.tp=1 = 4" in message
     cfg = compose_config(["recipe=sft_tiny", "backend=fsdp2", "backend.pp=2"])
     assert data_parallel_size(cfg.backend, 8) == 4  # stages of one pipeline read the same examples
@@ -191,7 +195,7 @@ def pp_backend(**fields):
 
 
 def test_model_checks_blocks_and_experts():
-    check = BACKENDS["fsdp2"].model_problems
+    check = model_check
     assert check(pp_backend(), 2, arch()) == []
     [message] = check(pp_backend(pp_schedule="interleaved_1f1b", pp_virtual_stages=3), 2, arch(layers=4))
     assert "4 decoder blocks, fewer than backend.pp=2 × backend.pp_virtual_stages=3 = 6 stages" in message
@@ -210,7 +214,7 @@ def test_model_checks_blocks_and_experts():
 # ---- the planner's pipeline lines -----------------------------------------------------------------------------------
 
 def test_bubble_and_in_flight_formulas():
-    from llmtrain.plan_pp import bubble_fraction, in_flight
+    from llmtrain.plan.pp import bubble_fraction, in_flight
 
     assert bubble_fraction(2, 2) == 1 / 3 and bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(2, 4, 2) == 1 / 9
     assert [in_flight("gpipe", 4, r, 8, 1) for r in range(4)] == [8] * 4
@@ -221,7 +225,7 @@ def test_bubble_and_in_flight_formulas():
 
 
 def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
-    from llmtrain.plan_pp import p2p_sends, pipeline_p2p
+    from llmtrain.plan.pp import p2p_sends, pipeline_p2p
 
     assert p2p_sends(2, 1, 4) == [4, 4]  # stage 0 sends forward, stage 1 backward, once per micro-batch
     assert p2p_sends(4, 1, 8) == [8, 16, 16, 8]  # the middle stages send both ways
@@ -234,7 +238,7 @@ def test_p2p_sends_per_rank_and_the_busiest_ranks_figure():
 
 
 def test_plan_prints_each_pp_ranks_stages():
-    from llmtrain.plan import plan_text
+    from llmtrain.plan.report import plan_text
 
     text = plan_text(compose_config(["recipe=sft_tiny", "model.from_config.num_hidden_layers=4", *PP2,
                                      "trainer.grad_accum_steps=4", "plan.world_size=4"]))
@@ -251,5 +255,5 @@ def test_plan_prints_each_pp_ranks_stages():
 
 def test_a_family_without_model_layers_is_refused():
     gpt2 = AutoConfig.for_model("gpt2", n_embd=32, n_head=4, n_layer=4, tie_word_embeddings=False)
-    [message] = BACKENDS["fsdp2"].model_problems(pp_backend(), 2, gpt2)
+    [message] = backend_model_problems(pp_backend(), 2, lambda: gpt2)
     assert "gpt2 does not name its blocks model.layers" in message and "use backend.pp=1" in message

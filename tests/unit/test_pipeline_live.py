@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmtrain.metrics.live import InFlightMeter, PipelineRankFigures, PlanFigures
-from llmtrain.plan_pp import (
+from llmtrain.plan.pp import (
     PipelineLayout,
     StageActivations,
     in_flight_stages,
@@ -66,7 +66,7 @@ def test_in_flight_meter_counts_a_shared_storage_once_and_ignores_no_grad():
 # ---- the planner's per-pp-rank figures -----------------------------------------------------------------------------
 
 FACTS = SimpleNamespace(layers=4, hidden=16, heads=2, kv_heads=2, intermediate=32, block=100, embed=1000, head=1000,
-                        tp_params=0, softcapping=False)
+                        tp_params=0, softcapping=False, mlp_width=32)
 
 
 def _layout(schedule: str, pp: int = 2, virtual: int = 1, microbatches: int = 4) -> PipelineLayout:

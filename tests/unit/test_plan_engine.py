@@ -1,4 +1,4 @@
-"""The planner's inference engine (ppo.rollout.engine=vllm, llmtrain/plan_rl.py): the engine's weights, KV cache and
+"""The planner's inference engine (ppo.rollout.engine=vllm, llmtrain/plan/rl.py): the engine's weights, KV cache and
 budget per engine GPU against a hand computation, the setup read from ppo.rollout.vllm (args included), the peak of a
 GPU the engine shares with a training rank (sleep or not) against one of its own, and the shipped grpo_8b recipe's
 dry run (offline: the shipped Qwen3-8B config.json, no engine imported or contacted) printing the engine section."""
@@ -15,7 +15,7 @@ from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.metrics.cost import GIB
 from llmtrain.metrics.devices import GPUS, Gpu
-from llmtrain.plan_rl import (
+from llmtrain.plan.rl import (
     EngineModel,
     EngineSetup,
     colocated_peak,
@@ -185,7 +185,7 @@ def test_grpo_8b_dry_run_prints_the_engine_section_offline(tmp_path, capsys, mon
 def test_grpo_8b_colocated_prints_the_shared_peak(monkeypatch):
     """The same recipe with the engine asleep on the training GPUs: the per-GPU peak with the trainer's model states
     and the largest utilization that fits, by the planner's own row."""
-    from llmtrain.plan import plan_text
+    from llmtrain.plan.report import plan_text
 
     refuse_connections(monkeypatch)
     text = plan_text(compose_config(["recipe=grpo_8b", "ppo.rollout.vllm.sleep=true",

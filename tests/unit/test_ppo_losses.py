@@ -194,19 +194,15 @@ def test_policy_loss_clips_both_sides_by_hand():
     assert_close(logp.grad, [[0.0, 0.0, -2.2], [-0.5, 1.5, 0.0]])
 
 
-def test_first_ratio_is_exactly_one():
+def test_first_ratio_is_exactly_one(tiny_llama):
     """The old log-probs from the experience's forward (eval mode, no grad) and the update's (train mode, with grad,
     through the fused head) of the same weights are bitwise equal, so the first ratio is exactly 1 and the loss −A."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmtrain.models.fused_head import install
     from llmtrain.stages.head import action_answer
     from llmtrain.stages.ppo.rollout import model_inputs
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = tiny_llama(attn_implementation="sdpa", vocab_size=64, hidden_size=32, intermediate_size=64)
     install(model, chunk_tokens=5)
     sequences = torch.randint(1, 64, (3, 10))
     attention = torch.ones_like(sequences)

@@ -12,22 +12,16 @@ import torch
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_LENGTHS
-from llmtrain.models.load import build_model, load_tokenizer
+from llmtrain.models.load import build_model
 from llmtrain.stages.head import action_answer
 from llmtrain.stages.ppo.build import attention_for_rollouts
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.experience import Experience, forward_rows, values_of
 from llmtrain.stages.ppo.packed import NO_STATE, action_rows, action_values
-from tests.helpers import TOKENIZER_DIR
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
 PROMPT, ACTIONS = 6, 5  # the padded layout: (b, P + A)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
 def tiny(tokenizer, attention: str, head: str = "lm", fused: bool = True, config: dict = TINY):

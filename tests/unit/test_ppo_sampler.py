@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 
 from llmtrain.stages.ppo import sampler
 from llmtrain.stages.ppo.rollout import SamplingSettings, generation_config
@@ -15,11 +15,8 @@ PAD = 0
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+def model(tiny_llama):
+    model = tiny_llama(attn_implementation="sdpa", vocab_size=40, max_position_embeddings=128).eval()
     model.generation_config = GenerationConfig()  # as rollout.neutral_generation_config leaves it
     return model
 

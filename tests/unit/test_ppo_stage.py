@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
@@ -33,11 +33,8 @@ def test_action_mask_keeps_the_first_eos_even_when_pad_is_eos():
     assert (generated != EOS).tolist()[0] != mask.tolist()[0]  # what `seq != pad` would have dropped: the EOS
 
 
-def test_left_padded_forward_equals_the_unpadded_one():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+def test_left_padded_forward_equals_the_unpadded_one(tiny_llama):
+    model = tiny_llama(attn_implementation="sdpa", vocab_size=64, hidden_size=32, intermediate_size=64).eval()
     short, long = torch.randint(3, 64, (1, 4)), torch.randint(3, 64, (1, 7))
     batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
@@ -333,17 +330,15 @@ def test_no_reference_role_when_beta_is_zero():
 
 
 @pytest.mark.parametrize("use_cache", [True, False])  # the lean sampling loop; HF generate (one config for all calls)
-def test_generation_in_batches_gives_the_same_greedy_rollout(use_cache):
+def test_generation_in_batches_gives_the_same_greedy_rollout(use_cache, tiny_llama):
     """ppo.rollout.generation_batch_size: the rank's sequences go through generate a few at a time (the KV cache of
     only that many at once); greedy, the rollout equals the one-call rollout (rows cut short pad after their EOS)."""
     from llmtrain.backends.ddp import DDPBackend
-    from llmtrain.parallel import DistContext
+    from llmtrain.distributed import DistContext
     from llmtrain.stages.ppo.rollout import SamplingSettings, generate
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = tiny_llama(attn_implementation="sdpa", vocab_size=64, hidden_size=32, intermediate_size=64,
+                       pad_token_id=0, eos_token_id=1)
     actor = DDPBackend(DistContext(0, 0, 1, torch.device("cpu")), "fp32").wrap(model, None)
     g = torch.Generator().manual_seed(1)
     batch = collate_prompts([{"prompt_ids": torch.randint(2, 64, (n,), generator=g).tolist(), "prompt": str(n),

@@ -16,15 +16,8 @@ from llmtrain.data.errors import DataConfigError
 from llmtrain.data.formats import FORMATS, DataStats, check_columns
 from llmtrain.data.synthetic import ASSET_DATA_DIR, reversal_preferences
 from llmtrain.losses.lm import IGNORE_INDEX
-from llmtrain.models.load import load_tokenizer
-from llmtrain.models.tiny_tokenizer import TOKENIZER_DIR
 
 SIDES = ("chosen", "rejected")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(str(TOKENIZER_DIR), trust_remote_code=False)
 
 
 def encode(tokenizer, row: dict, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
@@ -247,7 +240,9 @@ def test_synthetic_pairs_reverse_and_hard_negatives_are_one_edit_away():
             edits["unreversed" if rejected == word else "other word"] += 1
             assert abs(len(rejected) - len(word)) <= 1
     assert set(edits) == {"swap", "substitution", "unreversed", "other word"} and min(edits.values()) > 300
-    assert reversal_preferences(50, seed=11) == reversal_preferences(50, seed=11)  # a pure function of the seed
+    assert reversal_preferences(2000, seed=11) == rows  # the same seed twice: the same pairs in the same order
+    other = reversal_preferences(2000, seed=12)  # another seed: other words, not only another order
+    assert other != rows and {r["prompt"] for r in other[:100]} != {r["prompt"] for r in rows[:100]}
     assert {row["kind"] for row in reversal_preferences(50, seed=11, kinds=("hard",))} == {"hard"}
 
 

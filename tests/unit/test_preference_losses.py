@@ -17,6 +17,7 @@ from llmtrain.losses.dpo import (
 )
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.losses.pairwise import PAIRWISE_STATS, pairwise_loss_sum, pairwise_metrics, pairwise_stat_sums
+from tests import helpers
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "llmtrain" / "assets" / "tokenizer"
 LN2 = math.log(2)
@@ -221,21 +222,10 @@ PREFERENCE_ROWS = {
 
 
 def tiny_llama_config(tokenizer, **extra):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                       bos_token_id=tokenizer.bos_token_id, **extra)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return helpers.tiny_llama_config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                     max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmtrain.losses.reference_free import LOGP_CLAMP, log1mexp, orpo_terms, simpo_terms
+from tests import helpers
 
 LN2 = math.log(2)
 
@@ -216,12 +217,9 @@ class OneProcessEngine:
 
 
 def tiny_lm():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                        pad_token_id=0, attn_implementation="sdpa"))
+    return helpers.tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
+                              attn_implementation="sdpa")
 
 
 def pair_examples(lengths: list[tuple[int, int, int]], seed: int) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, LlamaConfig
+from transformers import AutoModelForSequenceClassification
 
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
@@ -15,6 +15,7 @@ from llmtrain.models.load import load_tokenizer, use_distinct_pad_token
 from llmtrain.roles import check_same_data_parallel
 from llmtrain.stages.preference import collate_pairs, last_token_index
 from llmtrain.validation import config_problems
+from tests import helpers
 from tests.helpers import TOKENIZER_DIR
 
 EOS, PAD_AS_EOS = 257, 257
@@ -22,8 +23,8 @@ EOS, PAD_AS_EOS = 257, 257
 
 def tiny_classifier(pad_token_id: int = PAD_AS_EOS, attn: str = "sdpa") -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=263, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=pad_token_id)
+    config = helpers.tiny_llama_config(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                       num_key_value_heads=1, num_labels=1, pad_token_id=pad_token_id)
     return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn).eval()
 
 

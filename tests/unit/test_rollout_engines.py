@@ -84,16 +84,13 @@ def test_a_choice_keeps_the_stop_token_it_ended_at():
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5), (0.0, 0)])
-def test_the_hf_sampler_returns_what_it_drew_from(temperature, top_k):
+def test_the_hf_sampler_returns_what_it_drew_from(temperature, top_k, tiny_llama):
     """The lean loop's behaviour log-probs equal the log-softmax of the processed logits the trainer would take for
     those tokens (full softmax at that temperature without top-k; greedy: the full distribution)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from llmtrain.stages.ppo import sampler
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    model = tiny_llama(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1).eval()
     ids, mask = torch.randint(3, 50, (3, 4)), torch.ones(3, 4, dtype=torch.long)
     drawn = []
     out = sampler.sample(model, ids, mask, max_new_tokens=5, temperature=temperature, top_k=top_k, top_p=1.0,

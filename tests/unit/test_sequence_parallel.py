@@ -13,7 +13,7 @@ from llmtrain.data.sequence_shard import pad_to_multiple, sequence_preparer, sha
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.ulysses_checks import sp_model_problems
 from llmtrain.parallel import ParallelDims
-from llmtrain.validation import data_parallel_size, validate
+from llmtrain.validation import config_problems, data_parallel_size, validate
 
 
 def _sample(start, length, prompt=0):
@@ -84,18 +84,18 @@ def test_padding_is_never_a_refusal_and_carries_no_loss():
 
 
 def test_parallel_dims_with_sp():
-    dims = ParallelDims.build(1, -1, 1, 8, sp=2)
+    dims = ParallelDims.build(8, sp=2)
     assert (dims.dp_shard, dims.sp, dims.dp_size) == (4, 2, 4)
     assert dims.fsdp_dim_names == ("dp_shard_sp",)
-    assert ParallelDims.build(2, -1, 1, 8, sp=2).fsdp_dim_names == ("dp_replicate", "dp_shard_sp")
-    assert str(ParallelDims.build(1, -1, 2, 8, sp=2)) == \
+    assert ParallelDims.build(8, dp_replicate=2, sp=2).fsdp_dim_names == ("dp_replicate", "dp_shard_sp")
+    assert str(ParallelDims.build(8, tp=2, sp=2)) == \
         "world 8 = dp_replicate 1 × dp_shard 2 × sp 2 × tp 2 (data parallel 2)"
-    [message] = ParallelDims.problems(1, -1, 1, 6, sp=4)
+    [message] = ParallelDims.problems(6, sp=4)
     assert "world size 6 divisible by backend.dp_replicate=1 × backend.sp=4 × backend.tp=1 = 4" in message
-    [message] = ParallelDims.problems(1, 2, 1, 8, sp=2)
+    [message] = ParallelDims.problems(8, dp_shard=2, sp=2)
     assert "backend.dp_replicate=1 × backend.dp_shard=2 × backend.sp=2 × backend.tp=1 = 4, not the world size 8" \
         in message
-    assert ParallelDims.problems(1, -1, 1, 4, sp=0)[0].startswith("backend.sp=0 must be >= 1")
+    assert ParallelDims.problems(4, sp=0)[0].startswith("backend.sp=0 must be >= 1")
     assert data_parallel_size(compose_config(["recipe=sft_tiny", "backend=zero2", "backend.sp=2"]).backend, 4) == 2
 
 
@@ -132,8 +132,15 @@ def test_stages_without_sp_are_refused_with_the_reason(recipe):
 
 @pytest.mark.parametrize("recipe", ["rm_tiny", "dpo_tiny", "simpo_tiny", "orpo_tiny"])
 def test_pair_stages_validate_with_sp(recipe):
-    validate(compose_config([f"recipe={recipe}", "backend=zero2", "backend.sp=2"]), world_size=2)
-    validate(compose_config([f"recipe={recipe}", "backend=fsdp2", "backend.sp=2"]), world_size=4)
+    """No problem at all for a pair stage under sp=2 (ZeRO-2 on 2 ranks, FSDP2 on 4), where the same recipe under
+    sp=2 on 3 ranks is refused: the check ran on this config and passed it."""
+    for backend, world in (("zero2", 2), ("fsdp2", 4)):
+        cfg = compose_config([f"recipe={recipe}", f"backend={backend}", "backend.sp=2"])
+        assert cfg.backend.sp == 2
+        assert config_problems(cfg, world) == []
+    stage = compose_config([f"recipe={recipe}"]).stage.name
+    assert f"stage={stage}" in _refused("recipe=grpo_tiny")  # among the stages sp runs, the refusal lists
+    assert "backend.sp=2" in _refused(f"recipe={recipe}", world=3)
 
 
 def test_what_sp_cannot_honour_is_refused_before_loading():
@@ -154,5 +161,5 @@ def test_pipeline_stages_over_sequence_shards_are_refused_together():
                           "trainer.grad_accum_steps=2", "trainer.eval_every_n_steps=0", "model.dropout=0.0"])
     with pytest.raises(ConfigError, match="backend.pp=2 with backend.sp=2: pipeline stages over sequence shards"):
         validate(cfg, world_size=4)
-    dims = ParallelDims.build(1, -1, 1, 8, sp=2, pp=2)
-    assert (dims.dp_shard, dims.dp_size) == (2, 2) and "pp 2 × " in str(dims) and "sp 2 × " in str(dims)
+    [refused] = ParallelDims.problems(8, sp=2, pp=2)  # the layout itself refuses it, not only the run's checks
+    assert refused.startswith("backend.pp=2 with backend.sp=2")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from llmtrain.models.stop_tokens import derive_stop_tokens, end_of_turn_id
 from llmtrain.stages.ppo.rollout import (
@@ -17,11 +17,6 @@ from llmtrain.stages.ppo.rollout import (
     neutral_generation_config,
 )
 from tests.helpers import TOKENIZER_DIR
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 def test_chat_data_adds_the_templates_end_of_turn(tokenizer):
@@ -66,13 +61,11 @@ def test_trls_own_templates_give_their_end_of_turn(template, end_of_turn):
 
 
 @pytest.fixture(scope="module")
-def skewed_checkpoint(tmp_path_factory, tokenizer):
+def skewed_checkpoint(tmp_path_factory, tokenizer, tiny_llama):
     """A tiny Llama whose generation_config.json carries sampling defaults that change what generate() does."""
     directory = tmp_path_factory.mktemp("skewed")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # peaked logits: min_p 0.2 keeps 8 tokens, 73 % of the mass lies below it
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=3, top_p=0.5,

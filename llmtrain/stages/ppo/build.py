@@ -10,13 +10,13 @@ from transformers import GenerationConfig
 
 from llmtrain.config import ConfigError
 from llmtrain.data.prompts import PROMPT_FORMATS
+from llmtrain.distributed import resolve_device, resolve_precision
 from llmtrain.losses.advantages import needs_critic
 from llmtrain.losses.kl import build_kl_controller
 from llmtrain.losses.ppo import resolve_loss_agg
 from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.models.stop_tokens import derive_stop_tokens
-from llmtrain.parallel import resolve_device, resolve_precision
 from llmtrain.stages.base import ModelSource, RoleSpec
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.config import PPOConfig
@@ -190,7 +190,8 @@ def rl_spec(name: str) -> StageSpec:
                      data_hint="generates from prompts: data.format={format} must be prompt, prompt_response or "
                                "messages", count_name="samples", metric_group="ppo", config_node="ppo",
                      config_class=PPOConfig, problems=lambda cfg, dp: ppo_problems(cfg, name, dp), prompts=True,
-                     max_prompt_len=max_prompt_len, rl_shape=rl_shape)
+                     max_prompt_len=max_prompt_len, rl_shape=rl_shape,
+                     attention=lambda cfg, attn: attention_for_rollouts(attn, cfg.ppo.packing))
 
 
 # GRPO is this stage with group-relative advantages and the KL as a loss term (conf/stage/grpo.yaml presets them)

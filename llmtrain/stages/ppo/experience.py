@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from llmtrain.distributed import all_gather_rows, all_reduce_sum
 from llmtrain.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, token_rewards, whiten
 from llmtrain.losses.importance import importance_weights
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.models.heads import captured_token_scores
-from llmtrain.parallel import all_gather_rows, all_reduce_sum
 from llmtrain.stages.head import action_answer
 from llmtrain.stages.ppo.packed import ActionRows, action_rows, action_values
 from llmtrain.stages.ppo.rollout import Rollout

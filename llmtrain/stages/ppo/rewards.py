@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from llmtrain.config import ConfigError
+from llmtrain.distributed import all_reduce_sum
 from llmtrain.models.heads import scores_at
-from llmtrain.parallel import all_reduce_sum
 from llmtrain.stages.ppo.rollout import Rollout, model_inputs
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from llmtrain.data.prompts import PromptBatch
-from llmtrain.parallel import all_reduce_max
+from llmtrain.distributed import all_reduce_max
 from llmtrain.stages.ppo import sampler
 
 log = logging.getLogger(__name__)

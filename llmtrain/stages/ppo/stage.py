@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
+from llmtrain.distributed import all_gather_rows, all_reduce_max, all_reduce_sum
 from llmtrain.losses.importance import importance_weight_metrics, mismatch_metrics
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (
@@ -28,7 +29,6 @@ from llmtrain.losses.ppo import (
     value_loss_terms,
 )
 from llmtrain.models.moe import captured_router_logits, router_of, router_terms
-from llmtrain.parallel import all_gather_rows, all_reduce_max, all_reduce_sum
 from llmtrain.stages.base import RoleSpec, Stage, Updater, reduce_sums
 from llmtrain.stages.head import action_answer, flat_actions, routed_update, with_router
 from llmtrain.stages.ppo.engines import HFEngine
@@ -121,9 +121,6 @@ class PPOStage(Stage):
     def fetch_layout(self, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> tuple[int, int]:
         """(prompts per fetch, fetches per step) on each rank: one batch of this rank's share of the prompts."""
         return self.prompts_per_step // dp_size, 1
-
-    def attention(self, resolved: str) -> str:
-        return self.rollout_attention
 
     def data_position(self, step: int) -> int:
         return step + self.extra_prompt_batches

@@ -36,7 +36,7 @@ def output_to(path: Path):
 
 def main(spec_file: str) -> int:
     from llmtrain.compose import compose_config
-    from llmtrain.parallel import env_rank, env_world_size
+    from llmtrain.distributed import env_rank, env_world_size
     from llmtrain.run import run
 
     logging.basicConfig(level=logging.INFO if env_rank() == 0 else logging.WARNING,
@@ -66,6 +66,6 @@ def main(spec_file: str) -> int:
 
 
 if __name__ == "__main__":
-    from llmtrain.parallel import exit_process
+    from llmtrain.distributed import exit_process
 
     exit_process(main(sys.argv[1]))

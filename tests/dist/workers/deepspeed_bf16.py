@@ -130,7 +130,7 @@ def _run_stage(ctx, stage: int, model_dir: Path, out: Path, log: list, active: l
 def worker(out: Path) -> None:
     log, active = [], [False]
     _record_collectives(log, active)  # before DeepSpeed's comm layer takes its references
-    from llmtrain.parallel import init_distributed
+    from llmtrain.distributed import init_distributed
 
     ctx = init_distributed("cpu", 300)
     records = {stage: _run_stage(ctx, stage, out / "model", out, log, active) for stage in STAGES}

@@ -26,8 +26,9 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
 
     from llmtrain.backends.base import OptimizerSpec
     from llmtrain.backends.fsdp2 import FSDP2Engine
+    from llmtrain.distributed import init_distributed, shutdown
     from llmtrain.losses.lm import lm_loss_sum
-    from llmtrain.parallel import ParallelDims, init_distributed, shutdown
+    from llmtrain.parallel import ParallelDims
 
     ctx = init_distributed("cpu", 300)
     spec = OptimizerSpec(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",
@@ -43,7 +44,7 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
     # 1. model-state bytes at dp=2: local shards of params + grads (after backward) + Adam m, v (after step)
     model = load()
     report["parameters"] = sum(p.numel() for p in model.parameters())
-    dims = ParallelDims.build(1, -1, 1, ctx.world_size)
+    dims = ParallelDims.build(ctx.world_size)
     engine = FSDP2Engine(model, spec, ctx, "fp32", dims.on("cpu"))
     engine.backward(lm_loss_sum(engine.module(input_ids=ids).logits, ids) / ids.numel())
     engine.clip_or_fused_step()
@@ -53,7 +54,7 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
     report["model_state_bytes"] = sum(report["bytes"].values())
 
     # 2. the dp=2 checkpoint into a tp=2 engine, exported; the export's logits vs the sharded model's
-    dims = ParallelDims.build(1, -1, 2, ctx.world_size)
+    dims = ParallelDims.build(ctx.world_size, tp=2)
     engine = FSDP2Engine(load(), spec, ctx, "fp32", dims.on("cpu"))
     engine.load_checkpoint(step_dir / "engines" / "policy")
     engine.export_hf(out_dir / "hf")
@@ -63,6 +64,11 @@ def worker(model_dir: Path, step_dir: Path, out_dir: Path) -> None:
             exported = AutoModelForCausalLM.from_pretrained(out_dir / "hf", dtype=torch.float32,
                                                             attn_implementation="sdpa")
             report["export_logits_max_abs_diff"] = (exported(input_ids=ids).logits - sharded_logits).abs().max().item()
+
+    # 3. optim=muon on DDP, FSDP2 (+ tp) and ZeRO-1/2/3 against one-process torch.optim.Muon, in this launch
+    from tests.dist.workers.muon_checks import muon_exactness
+
+    report["muon_max_abs_diff"] = muon_exactness(ctx, model_dir)
     (out_dir / f"rank_{ctx.rank}.json").write_text(json.dumps(report))
     shutdown()
 
@@ -80,8 +86,8 @@ def init_worker(model_dir: Path, out_dir: Path) -> None:
 
     from llmtrain.backends.base import OptimizerSpec
     from llmtrain.backends.fsdp2 import FSDP2Backend
+    from llmtrain.distributed import init_distributed, shutdown
     from llmtrain.models.load import build_model, load_tokenizer
-    from llmtrain.parallel import init_distributed, shutdown
 
     ctx = init_distributed("cpu", 300)
     spec = OptimizerSpec(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=0, schedule="constant",

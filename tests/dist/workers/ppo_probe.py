@@ -20,8 +20,8 @@ import torch
 from llmtrain.backends import build_backend
 from llmtrain.compose import compose_config
 from llmtrain.data.prompts import PromptBatch
+from llmtrain.distributed import init_distributed, quiesce, shutdown
 from llmtrain.models.load import load_tokenizer
-from llmtrain.parallel import init_distributed, quiesce, shutdown
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run import backend_options, optimizer_spec
 from llmtrain.stages.ppo.experience import gather_rollout, make_experience
@@ -89,13 +89,13 @@ def main(model_dir: str, backend_name: str, out: Path) -> None:
         record = {"generated": generated.responses[0][generated.action_mask[0]].tolist(),
                   "advantages": exp.advantages.tolist(), "old_logps": exp.old_logps.tolist(), **metrics}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(record))
-        quiesce()  # before the engines go (llmtrain.parallel.quiesce)
+        quiesce()  # before the engines go (llmtrain.distributed.quiesce)
     finally:
         shutdown()
 
 
 if __name__ == "__main__":
-    from llmtrain.parallel import exit_process
+    from llmtrain.distributed import exit_process
 
     main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
     exit_process(0)

@@ -169,11 +169,12 @@ def worker(out_dir: Path) -> None:
     import torch.distributed as dist
     from transformers import AttentionInterface
 
+    from llmtrain.distributed import init_distributed, shutdown
     from llmtrain.models.attention import register_segment_attention
-    from llmtrain.parallel import ParallelDims, init_distributed, shutdown
+    from llmtrain.parallel import ParallelDims
 
     ctx = init_distributed("cpu", 300)
-    dims = ParallelDims.build(1, -1, 1, ctx.world_size, "cpu", sp=2)
+    dims = ParallelDims.build(ctx.world_size, "cpu", sp=2)
     sp_rank, sp, group = dims.sequence_parallel()
     register_segment_attention()
     before = {k: AttentionInterface._global_mapping[k] for k in ("sdpa", "sdpa_segments")}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.data.prompts import PromptBatch
-from llmtrain.parallel import barrier
+from llmtrain.distributed import barrier
 from llmtrain.stages.ppo.engines.http import EngineError, call
 from llmtrain.stages.ppo.engines.vllm_server import ServerSettings, VLLMServer
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, laid_out, padded_prompts

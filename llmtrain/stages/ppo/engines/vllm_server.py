@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmtrain.parallel import free_port
+from llmtrain.distributed import free_port
 from llmtrain.stages.ppo.engines.http import EngineError, reachable
 
 log = logging.getLogger(__name__)

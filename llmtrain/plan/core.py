@@ -26,7 +26,6 @@ from llmtrain.metrics.cost import (
     logits_bytes,
     state_bytes,
     step_seconds,
-    ulysses_all_to_all,
 )
 from llmtrain.metrics.devices import Gpu
 from llmtrain.metrics.flops import training_flops_per_token
@@ -34,13 +33,15 @@ from llmtrain.metrics.live import PipelineRankFigures, PlanFigures
 from llmtrain.metrics.memory import planned_model_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable
 from llmtrain.models.fused_head import default_chunk_tokens
-from llmtrain.plan_pp import (
+from llmtrain.optim.spec import state_floats_per_param
+from llmtrain.parallel.dimension import dimension_collectives
+from llmtrain.plan.pp import (
     StageActivations,
     in_flight_stages,
     rank_state_bytes,
     stage_head,
 )
-from llmtrain.plan_rl import RLIteration, rl_communication, rl_flops
+from llmtrain.plan.rl import RLIteration, rl_communication, rl_flops
 from llmtrain.stages.registry import stage_roles, stage_spec
 
 COMPARED = compared_presets()  # plan.compare_backends: each backend descriptor's rows
@@ -48,7 +49,7 @@ USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets,
 
 
 def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False,
-                scalar_head: bool = False, head_split: int = 1) -> RoleParams:
+                scalar_head: bool = False, head_split: int = 1, optim_floats: float = 2.0) -> RoleParams:
     """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen; a view
     (LoRA's reference: the policy with adapters disabled) holds nothing of its own; a scalar head (reward model,
     critic) replaces an untied LM head with a (1, hidden) score. head_split > 1: the LM head's rows are split over
@@ -63,8 +64,11 @@ def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, v
     working, regathered = layout.backend.gathers(layout, facts)  # at once; again in backward (ZeRO-3's trace)
     regathered = regathered if t or f else None
     tp_params = facts.tp_params + (facts.head if head_split > 1 else 0)
-    return RoleParams(trainable=t, frozen=f, persistent=persistent, tp_fraction=tp_params / facts.params,
-                      working=working, regathered=regathered, block_fraction=facts.layers * facts.block / facts.params)
+    experts = facts.expert_params if layout.ep > 1 else 0  # under ep the experts leave tp's plan for ep's split
+    return RoleParams(trainable=t, frozen=f, persistent=persistent,
+                      tp_fraction=(tp_params - min(experts, facts.tp_expert_params)) / facts.params, working=working,
+                      regathered=regathered, expert_fraction=experts / facts.params, optim_floats=optim_floats,
+                      block_fraction=(facts.layers * facts.block - experts) / (facts.params - experts))
 
 
 def layout_of(name: str, backend, world: int, hidden: int) -> Layout:
@@ -110,6 +114,7 @@ class Setting:
     mfu: float
     logits_vocab: int  # V, or 1 for a reward model's score
     head_chunk: int | None = None  # the fused LM head's chunk tokens (model.fused_loss); None: full logits
+    optim_floats: float = 2.0  # fp32 optimizer-state values per trainable parameter (optim/spec.py: Adam 2, Muon 1)
     head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT, RL's token loss): gradients held
     head_positions: int | None = None  # positions per row through the LM head (RL: the A + 1 response ones); None: all
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
@@ -142,7 +147,7 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     trainable = sum(st.roles.values())
     seq = -(-st.seq // layout.sp)  # sequence parallelism: each rank's shard of every row
     act = activation_bytes(rows, seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
-                           tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
+                           tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.mlp_width, kv_heads=f.kv_heads,
                            softcapping=f.softcapping)
     return trainable * act, trainable * head_bytes(st, rows, seq, vocab_split(st, layout))[1]
 
@@ -197,7 +202,7 @@ def _role_states(st: Setting, layout: Layout) -> tuple[dict, dict]:
     """({role: (RoleParams, trainable)}, {role: StateBytes}) of every role on this layout."""
     f, on_gpu = st.facts, st.gpu.name != "cpu"
     params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads,
-                                 vocab_split(st, layout, role)), trainable)
+                                 vocab_split(st, layout, role), st.optim_floats), trainable)
               for role, trainable in st.roles.items()}
     return params, {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
 
@@ -216,9 +221,9 @@ def plan_row(st: Setting, layout: Layout) -> Row:
         comm = rl_communication(params, layout, st.precision, st.rl.schedule(layout.dp), **shape)
     else:
         comm = [c for p, _ in params.values() for c in communication(p, layout, st.precision, accum=st.accum, **shape)]
-        comm += [c for trainable in st.roles.values() for c in ulysses_all_to_all(
-            layout, st.precision, tokens_per_micro=tokens, hidden=f.hidden, kv_hidden=f.kv_heads * f.hidden // f.heads,
-            kv_heads=f.kv_heads, layers=f.layers, accum=st.accum, trainable=trainable, checkpointing=st.checkpointing)]
+        comm += [c for trainable in st.roles.values() for c in dimension_collectives(
+            layout, f, st.precision, tokens_per_micro=tokens, accum=st.accum, trainable=trainable,
+            checkpointing=st.checkpointing)]
     times = None
     if st.gpu.peak_tflops:
         model, hardware = step_flops(st, layout)
@@ -237,7 +242,7 @@ def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
     role, 2·M + 4·L·h·s per frozen one (forward only); checkpointing adds one forward of the blocks to hardware."""
     f = st.facts
     trainable = sum(st.roles.values())
-    if st.rl is not None:  # an iteration: generation, experience forwards, epochs of updates (plan_rl.rl_flops)
+    if st.rl is not None:  # an iteration: generation, experience forwards, epochs of updates (plan.rl.rl_flops)
         model = rl_flops(st.rl, st.roles, f.params, f.layers, f.hidden, st.seq)
         trained_tokens = st.rl.epochs * st.rl.samples * st.seq
     else:
@@ -250,13 +255,15 @@ def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
 
 
 def planned_attention(cfg: DictConfig, gpu: Gpu, precision: str, facts: ModelFacts) -> str:
-    """The attention the run resolves (run.py, models/load.py): an explicit one as given, `auto`'s pick for the
-    planned device, then eager where the family's transformers class lacks it (Gemma-2 has no sdpa). A GPU planned
+    """The attention the run resolves (stages/registry.decide_attention, as run.py does): an explicit one as given,
+    `auto`'s pick for the planned device, then the same decision (sp, the family: eager where its transformers class
+    lacks it, Gemma-2 has no sdpa; the stage's own need). A GPU planned
     from a machine without one is taken to have Triton (CUDA builds of torch ship it): flex_segments, or sdpa_segments
     with dropout; flash-attention and flex both exist in the families that lack sdpa, so either gives the same count."""
     from llmtrain.models.attention import SEGMENT_ATTENTION
     from llmtrain.models.flex import FLEX_ATTENTION
     from llmtrain.models.load import resolve_attn_implementation
+    from llmtrain.stages.registry import decide_attention
 
     m = cfg.model
     if m.attn_implementation != "auto":
@@ -266,7 +273,7 @@ def planned_attention(cfg: DictConfig, gpu: Gpu, precision: str, facts: ModelFac
                                            m.dropout)
     else:
         attn = FLEX_ATTENTION if m.dropout == 0 else SEGMENT_ATTENTION
-    return "eager" if attn in facts.lacks_attention else attn
+    return decide_attention(cfg, attn, lambda a: "eager" if a in facts.lacks_attention else a)
 
 
 def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
@@ -284,7 +291,9 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
                    scores=attn == "eager", mfu=cfg.plan.mfu, logits_vocab=1 if trainable_scalar else facts.vocab,
                    rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
                    head_loss_sum=spec.token_losses or bool(rl and rl.token_loss),
-                   head_positions=rl.max_new_tokens + 1 if rl else None)
+                   head_positions=rl.max_new_tokens + 1 if rl else None,
+                   optim_floats=state_floats_per_param(cfg.optim.name,
+                                                       0.0 if lora else facts.muon_params / facts.params))
 
 
 def planned_head_chunk(m, facts: ModelFacts) -> int | None:
@@ -304,6 +313,7 @@ def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
     whose backend shards sequences (a `backend.sp` field) at that sp."""
     from omegaconf import OmegaConf
 
+    from llmtrain.backends import backend_plan_problems
     from llmtrain.models.lora_checks import peft_problems
     from llmtrain.validation import backend_problems
 
@@ -312,7 +322,7 @@ def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
         if sp > 1 and "sp" in spec_of(backend).fields():
             backend = OmegaConf.merge(backend, {"sp": sp})
         problems = backend_problems(backend, world) + peft_problems(cfg.peft, backend)
-        problems = problems or spec_of(backend).plan_problems(backend, world, facts)
+        problems = problems or backend_plan_problems(backend, world, facts)
         if problems:
             notes.append(f"{name}: left out ({'; '.join(problems)})")
             continue
@@ -339,7 +349,7 @@ def check_backend_against_model(cfg: DictConfig, world: int) -> None:
 @dataclass(frozen=True)
 class RunPlan:
     """The planner's view of one run, computed once: the dry-run text, the figures the live cost compares with, and
-    what the fit check reads (its setting, its backend's row, the device: plan_fit.run_fit_problems)."""
+    what the fit check reads (its setting, its backend's row, the device: plan.fit.run_fit_problems)."""
     text: str
     figures: PlanFigures
     setting: Setting | None = None
@@ -378,14 +388,14 @@ def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[Pi
 def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Collective] = (),
                  pipeline: tuple[PipelineRankFigures, ...] = ()) -> PlanFigures:
     """The planner's row for this run's backend, world and device, as the live cost compares with it (p2p: the
-    pipeline's sends, plan_pp.pipeline_p2p; pipeline: its per-pp-rank figures)."""
+    pipeline's sends, plan.pp.pipeline_p2p; pipeline: its per-pp-rank figures)."""
     facts, elem = st.facts, 2 if precision in ("bf16", "fp16") else 4
 
     def activations(rows: int, seq: int) -> float:
         """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
         as if all were alive at once)."""
         return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
-                                 elem=elem, scores=st.scores, intermediate=facts.intermediate, kv_heads=facts.kv_heads,
+                                 elem=elem, scores=st.scores, intermediate=facts.mlp_width, kv_heads=facts.kv_heads,
                                  softcapping=facts.softcapping)
                 + head_bytes(st, rows, seq, vocab_split(st, row.layout))[0])
 

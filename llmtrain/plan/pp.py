@@ -40,8 +40,8 @@ from llmtrain.backends.pipeline_checks import (
     split_blocks,
     stage_ranks,
 )
-from llmtrain.backends.spec import pp_of
 from llmtrain.metrics.cost import Collective, activation_bytes
+from llmtrain.parallel import degree_of
 
 GIB = 1024**3
 
@@ -84,7 +84,7 @@ def boundary_bytes(rows: int, seq: int, hidden: int, precision: str) -> int:
 
 def pipeline_p2p(backend: Any, *, rows: int, accum: int, seq: int, hidden: int, precision: str) -> list[Collective]:
     """The busiest pp rank's point-to-point sends of one step, as a Collective of kind p2p ([] without pp)."""
-    pp = pp_of(backend)
+    pp = degree_of(backend, "pp")
     if pp <= 1 or backend.pp_schedule not in SCHEDULES:
         return []
     schedule = SCHEDULES[backend.pp_schedule]
@@ -118,7 +118,7 @@ class PipelineLayout:
 
 def pipeline_layout(backend: Any, facts: Any, *, accum: int, seq: int) -> PipelineLayout | None:
     """The run's stages as backends/pipeline.build_parts splits them (None without pp, or with too few blocks)."""
-    pp = pp_of(backend)
+    pp = degree_of(backend, "pp")
     if pp <= 1 or backend.pp_schedule not in SCHEDULES:
         return None
     v = backend.pp_virtual_stages if SCHEDULES[backend.pp_schedule].multi else 1
@@ -239,7 +239,7 @@ class StageActivations:
     def _all_blocks(self, rows: int, seq: int, blocks: int, checkpointing: bool) -> float:
         f = self.facts
         return activation_bytes(rows, seq, f.hidden, f.heads, blocks, checkpointing=checkpointing, tp=self.tp,
-                                elem=self.elem, scores=self.scores, intermediate=f.intermediate, kv_heads=f.kv_heads,
+                                elem=self.elem, scores=self.scores, intermediate=f.mlp_width, kv_heads=f.kv_heads,
                                 softcapping=f.softcapping)
 
     def chunk(self, layout: PipelineLayout, stage: int, rows: int, seq: int) -> float:

@@ -10,7 +10,7 @@ against the device memory, the largest micro-batch that fits, communication per 
 overestimate of 6·V·h per token) and the LM head included; 12·L·h·s for the attention products, no causal
 halving. docs/formulas.md, "The planner", has every formula.
 
-This file lays the figures out (the table, the header and notes, the run's summary); plan_core.py computes them.
+This module lays the figures out (the table, the header and notes, the run's summary); core.py computes them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import sys
 from omegaconf import DictConfig
 
 from llmtrain.backends import spec_of
-from llmtrain.backends.spec import sp_of
 from llmtrain.config import ConfigError
 from llmtrain.metrics.cost import (
     GIB,
@@ -35,7 +34,8 @@ from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, model_facts
-from llmtrain.plan_core import (
+from llmtrain.parallel import degree_of
+from llmtrain.plan.core import (
     SEQ_SEARCH_LIMIT,
     USABLE,
     Row,
@@ -56,8 +56,8 @@ from llmtrain.plan_core import (
     setting,
     stage_activations,
 )
-from llmtrain.plan_pp import pipeline_layout, pipeline_lines, pipeline_p2p
-from llmtrain.plan_rl import engine_lines, engine_memory, engine_model, engine_setup
+from llmtrain.plan.pp import pipeline_layout, pipeline_lines, pipeline_p2p
+from llmtrain.plan.rl import engine_lines, engine_memory, engine_model, engine_setup
 from llmtrain.stages.registry import stage_spec
 from llmtrain.validation import data_parallel_size, validate
 
@@ -138,7 +138,7 @@ def header(st: Setting) -> list[str]:
     # the table's activations use the gated-block count (metrics/cost.py, measured per saved tensor)
     if f.intermediate:
         gated = gated_activation_bytes_per_layer(st.micro * st.rows_per_sample, s, h, f.heads,
-                                                 intermediate=f.intermediate,
+                                                 intermediate=f.mlp_width,
                                                  kv_heads=f.kv_heads, elem=elem, scores=st.scores,
                                                  softcapping=f.softcapping)
         count = (f"s·b·(10h + 4i + 2) elements + b·a·s²·{eager_score_bytes(elem, f.softcapping)} bytes of eager "
@@ -171,7 +171,7 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
     st = setting(cfg, world, gpu, precision, facts)
     notes: list[str] = []
     if cfg.plan.compare_backends:  # at the run's backend.sp, where a preset shards sequences
-        layouts, notes = compared_layouts(cfg, world, facts, sp_of(cfg.backend))
+        layouts, notes = compared_layouts(cfg, world, facts, degree_of(cfg.backend, "sp"))
     else:
         layouts = [layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)]
     rows = plan_rows(st, layouts)
@@ -196,23 +196,36 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
               "per rank (activations and logits at s/sp; 4 all-to-alls per layer)" for r in rows if r.layout.sp > 1]
     lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
               "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]
+    lines += [expert_line(st, r) for r in rows if r.layout.ep > 1]
     if len(st.roles) > 1 or not cfg.plan.compare_backends:
         lines += [f"{r.layout.name}: {roles_summary(st, r)}" for r in rows]
     for r in rows:
         lines.append(f"{r.layout.name}: {'fits' if r.fits else 'does NOT fit'} at micro-batch {st.micro} "
                      f"({_size(r.device_bytes)} of {gpu.memory_gib:.1f} GiB, {USABLE:.0%} usable); "
                      f"largest micro-batch that fits {r.max_micro}")
-    return lines + longest_sequence_lines(st, [r.layout for r in rows], sp_of(cfg.backend))
+    return lines + longest_sequence_lines(st, [r.layout for r in rows], degree_of(cfg.backend, "sp"))
 
 
 def engine_section(cfg: DictConfig, st: Setting, rows: list[Row]) -> list[str]:
-    """ppo.rollout.engine=vllm: the engine's memory per engine GPU, and with the trainer on a shared GPU (plan_rl)."""
+    """ppo.rollout.engine=vllm: the engine's memory per engine GPU, and beside the trainer on a shared GPU (rl.py)."""
     engine = engine_setup(cfg, st.precision)
     if engine is None:
         return []
     memory = engine_memory(engine_model(cfg, st.facts), engine, st.gpu, samples=st.rl.samples, seq=st.seq)
     training = [(r.layout.name, r.device_bytes, sum(s.device for s in r.states.values())) for r in rows]
     return engine_lines(engine, memory, st.gpu, training, USABLE)
+
+
+def expert_line(st: Setting, row: Row) -> str:
+    """backend.ep: the experts a rank holds, how they are sharded, and the all-to-all's share of the traffic."""
+    f, lay = st.facts, row.layout
+    efsdp = max(1, lay.dp * lay.tp // lay.ep)
+    exchanged = sum(c.wire for c in row.comm if c.what.startswith("EP all-to-all"))
+    held, total = f.expert_params / lay.ep / 1e9, f.expert_params / 1e9
+    return (f"{lay.name}: ep {lay.ep} × efsdp {efsdp}: {f.experts // lay.ep} of {f.experts} experts per rank in each "
+            f"of {f.moe_layers} MoE layers ({held:.2f} B of {total:.2f} B expert parameters, sharded over {efsdp} "
+            f"rank{'s' if efsdp > 1 else ''}); tokens to their experts and back "
+            f"{exchanged / 1e9:.1f} GB per rank per step (all-to-all, not overlapped)")
 
 
 def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[str]:
@@ -308,7 +321,7 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
 
 def plan_text(cfg: DictConfig) -> str:
     """`python -m llmtrain.plan`: validate for the planned world, then the plan."""
-    from llmtrain.parallel import env_world_size, resolve_device
+    from llmtrain.distributed import env_world_size, resolve_device
 
     world = cfg.plan.world_size or env_world_size()
     if world < 1:
@@ -335,6 +348,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from llmtrain.plan.report import main
+
+sys.exit(main())
