@@ -214,7 +214,7 @@ def test_grpo_from_the_export_stops_at_the_end_of_turn(sft):
 def test_chat_pairs_end_at_the_end_of_turn(sft):
     from transformers import AutoTokenizer
 
-    from llmtrain.data.formats import encode_preference
+    from llmtrain.data.preference_format import encode_preference
 
     tokenizer = AutoTokenizer.from_pretrained(sft.export)
     pairs = as_chat_pairs(DATA / "reverse_train.jsonl", sft.root / "pairs.jsonl", PAIRS)
@@ -293,7 +293,7 @@ def test_deepseek_messages_sft_is_refused(tmp_path, timings):
     from transformers import AutoTokenizer
 
     from llmtrain.data.errors import DataConfigError
-    from llmtrain.data.formats import encode_preference
+    from llmtrain.data.preference_format import encode_preference
 
     pair = json.loads(as_chat_pairs(DATA / "reverse_train.jsonl", tmp_path / "pairs.jsonl", 4).read_text()
                       .splitlines()[0])
