@@ -49,6 +49,8 @@ class Dimension:
     # -> [metrics.cost.Collective] this dimension adds to one optimizer step (the planner, and through it the live
     # cost's planned bytes); None: counted elsewhere (dp: the backend's collectives; tp: metrics/cost.communication)
     collectives: Callable[..., list] | None = None
+    # (plan.core.Setting, plan.core.Row) -> the planner's line on this dimension for a row whose layout has it > 1
+    plan_line: Callable[[Any, Any], str] | None = None
 
 
 DIMENSIONS: dict[str, Dimension] = {}
@@ -85,6 +87,12 @@ def dimension_collectives(layout: Any, facts: Any, precision: str, **shape: Any)
     """Every dimension's collectives of one step on this layout (those whose degree on the layout is > 1)."""
     return [c for d in DIMENSIONS.values() if d.collectives is not None and getattr(layout, d.name, 1) > 1
             for c in d.collectives(layout, facts, precision, **shape)]
+
+
+def dimension_lines(setting: Any, rows: list) -> list[str]:
+    """The planner's line of every dimension, for each row whose layout has it > 1 (the planner's report)."""
+    return [d.plan_line(setting, row) for d in DIMENSIONS.values() if d.plan_line is not None
+            for row in rows if getattr(row.layout, d.name, 1) > 1]
 
 
 def degrees_of(backend: Any) -> dict[str, int]:

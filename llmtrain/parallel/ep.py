@@ -74,6 +74,18 @@ def collectives(layout: Any, facts: Any, precision: str, *, tokens_per_micro: in
                        overlapped=False)]
 
 
+def plan_line(st: Any, row: Any) -> str:
+    """The experts a rank holds, how they are sharded, and the all-to-all's traffic."""
+    f, lay = st.facts, row.layout
+    efsdp = max(1, lay.dp * lay.tp // lay.ep)
+    exchanged = sum(c.wire for c in row.comm if c.what.startswith("EP all-to-all"))
+    held, total = f.expert_params / lay.ep / 1e9, f.expert_params / 1e9
+    return (f"{lay.name}: ep {lay.ep} × efsdp {efsdp}: {f.experts // lay.ep} of {f.experts} experts per rank in each "
+            f"of {f.moe_layers} MoE layers ({held:.2f} B of {total:.2f} B expert parameters, sharded over {efsdp} "
+            f"rank{'s' if efsdp > 1 else ''}); tokens to their experts and back "
+            f"{exchanged / 1e9:.1f} GB per rank per step (all-to-all, not overlapped)")
+
+
 def _views(world, dims) -> dict:
     """"ep" (ranks holding different experts, exchanging tokens) and "efsdp" (ranks holding the same experts, which
     FSDP-shard them), regrouped from dp_shard × tp, ep innermost (an expert group on adjacent ranks)."""
@@ -108,4 +120,5 @@ EP = register(Dimension(name="ep", meaning="expert parallelism", position=None, 
                         elsewhere="DeepSpeed's MoE layer is not transformers' experts module, and DDP keeps every "
                                   "expert on every rank",
                         problems=problems, arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views,
-                        apply=apply, shard=shard, collectives=collectives))
+                        apply=apply, shard=shard, collectives=collectives,
+                        plan_line=plan_line))

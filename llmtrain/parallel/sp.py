@@ -46,6 +46,12 @@ def collectives(layout: Any, facts: Any, precision: str, *, tokens_per_micro: in
                        passes * facts.layers * accum, overlapped=False)]
 
 
+def plan_line(st: Any, row: Any) -> str:
+    lay = row.layout
+    return (f"{lay.name}: dp {lay.dp} × sp {lay.sp}, {-(-st.seq // lay.sp)} tokens of each row per rank (activations "
+            "and logits at s/sp; 4 all-to-alls per layer)")
+
+
 def _views(world, dims) -> dict:
     """"dp_shard_sp" (what fully_shard shards over: sp peers hold the same weights) and "loss" (dp × sp: the ranks
     whose loss and token sums add up to the global batch's)."""
@@ -55,4 +61,4 @@ def _views(world, dims) -> dict:
 
 SP = register(Dimension(name="sp", meaning="sequence parallelism (Ulysses)", position=30, same_data=True,
                         problems=problems, arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views,
-                        collectives=collectives))
+                        collectives=collectives, plan_line=plan_line))

@@ -41,6 +41,12 @@ def facts_problems(backend: Any, dims: Any, facts: Any) -> list[str]:
                                                           "intermediate_size": facts.intermediate})
 
 
+def plan_line(st: Any, row: Any) -> str:
+    lay = row.layout
+    return (f"{lay.name}: dp {lay.dp} × tp {lay.tp}, global batch {st.micro * st.accum * lay.dp} rows (tp ranks share "
+            "their examples)")
+
+
 def _views(world, dims) -> dict:
     """"dp_shard_tp": a norm's partial sums over both dims in one all-reduce instead of two."""
     return {"dp_shard_tp": world[("dp_shard", "tp")]._flatten("dp_shard_tp")}
@@ -59,4 +65,5 @@ def apply(model, dims) -> None:
 
 
 TP = register(Dimension(name="tp", meaning="tensor parallelism", position=40, same_data=True,
-                        arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views, apply=apply))
+                        arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views, apply=apply,
+                        plan_line=plan_line))

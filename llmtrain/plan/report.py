@@ -35,6 +35,7 @@ from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, model_facts
 from llmtrain.parallel import degree_of
+from llmtrain.parallel.dimension import dimension_lines
 from llmtrain.plan.core import (
     SEQ_SEARCH_LIMIT,
     USABLE,
@@ -192,11 +193,7 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
                      f"forwards, then {st.rl.updates} optimizer steps of each trainable role (comm and step s "
                      f"count all of it; the rollout's own gathers, a few KB, are left out)")
         lines += engine_section(cfg, st, rows)
-    lines += [f"{r.layout.name}: dp {r.layout.dp} × sp {r.layout.sp}, {-(-st.seq // r.layout.sp)} tokens of each row "
-              "per rank (activations and logits at s/sp; 4 all-to-alls per layer)" for r in rows if r.layout.sp > 1]
-    lines += [f"{r.layout.name}: dp {r.layout.dp} × tp {r.layout.tp}, global batch {st.micro * st.accum * r.layout.dp} "
-              "rows (tp ranks share their examples)" for r in rows if r.layout.tp > 1]
-    lines += [expert_line(st, r) for r in rows if r.layout.ep > 1]
+    lines += dimension_lines(st, rows)
     if len(st.roles) > 1 or not cfg.plan.compare_backends:
         lines += [f"{r.layout.name}: {roles_summary(st, r)}" for r in rows]
     for r in rows:
@@ -214,18 +211,6 @@ def engine_section(cfg: DictConfig, st: Setting, rows: list[Row]) -> list[str]:
     memory = engine_memory(engine_model(cfg, st.facts), engine, st.gpu, samples=st.rl.samples, seq=st.seq)
     training = [(r.layout.name, r.device_bytes, sum(s.device for s in r.states.values())) for r in rows]
     return engine_lines(engine, memory, st.gpu, training, USABLE)
-
-
-def expert_line(st: Setting, row: Row) -> str:
-    """backend.ep: the experts a rank holds, how they are sharded, and the all-to-all's share of the traffic."""
-    f, lay = st.facts, row.layout
-    efsdp = max(1, lay.dp * lay.tp // lay.ep)
-    exchanged = sum(c.wire for c in row.comm if c.what.startswith("EP all-to-all"))
-    held, total = f.expert_params / lay.ep / 1e9, f.expert_params / 1e9
-    return (f"{lay.name}: ep {lay.ep} × efsdp {efsdp}: {f.experts // lay.ep} of {f.experts} experts per rank in each "
-            f"of {f.moe_layers} MoE layers ({held:.2f} B of {total:.2f} B expert parameters, sharded over {efsdp} "
-            f"rank{'s' if efsdp > 1 else ''}); tokens to their experts and back "
-            f"{exchanged / 1e9:.1f} GB per rank per step (all-to-all, not overlapped)")
 
 
 def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[str]:
