@@ -11,7 +11,7 @@ import importlib
 from typing import Any, Callable
 
 from llmtrain.backends import ddp_spec, deepspeed_spec, fsdp2_spec
-from llmtrain.backends.spec import BackendSpec, no_problems
+from llmtrain.backends.spec import BackendSpec
 from llmtrain.distributed import DistContext
 from llmtrain.parallel import DIMENSIONS, PLANNED, ParallelDims, degrees_of
 from llmtrain.parallel.dimension import carved_dimensions, mesh_order
@@ -80,30 +80,18 @@ def backend_problems(backend: Any, world_size: int) -> list[str]:
 
 
 def backend_model_problems(backend: Any, world_size: int, load_arch: Callable[[], Any]) -> list[str]:
-    """What the chosen backend and its parallel dimensions need from the model's architecture config (config.json, no
-    weights), read by `load_arch()` only when a dimension is set or the backend has such checks."""
-    spec = spec_of(backend)
-    if spec is None or backend_problems(backend, world_size):
+    """What the run's parallel dimensions need from the model's architecture config (config.json, no weights), read
+    by `load_arch()` only when a dimension that checks it is set (ParallelDims.model_problems)."""
+    if spec_of(backend) is None or backend_problems(backend, world_size):
         return []
-    dims = ParallelDims.of(backend, world_size)
-    if spec.model_problems is no_problems and dims.dp_size == world_size and dims.ep == 1:
-        return []
-    arch = load_arch()
-    return dims.model_problems(backend, arch) + spec.model_problems(backend, world_size, arch)
+    return ParallelDims.of(backend, world_size).model_problems(backend, load_arch)
 
 
 def backend_plan_problems(backend: Any, world_size: int, facts: Any) -> list[str]:
     """backend_model_problems on the planner's model facts (models/facts.ModelFacts: no transformers config)."""
-    spec = spec_of(backend)
-    if spec is None or backend_problems(backend, world_size):
+    if spec_of(backend) is None or backend_problems(backend, world_size):
         return []
-    return ParallelDims.of(backend, world_size).facts_problems(backend, facts) + \
-        spec.plan_problems(backend, world_size, facts)
-
-
-def parallel_degrees(backend: Any) -> dict[str, int]:
-    """{dimension: degree} the backend config asks for (dp_shard -1: the rest of the world)."""
-    return degrees_of(backend)
+    return ParallelDims.of(backend, world_size).facts_problems(backend, facts)
 
 
 def data_parallel_size(backend: Any, world_size: int) -> int:

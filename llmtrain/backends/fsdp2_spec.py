@@ -40,7 +40,7 @@ def holdings(r: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: boo
     """fp32 shards always; the MixedPrecisionPolicy (bf16 gathers) on a GPU with bf16 only (backends/fsdp2.py). Under
     ep a rank keeps E/ep of the routed experts whole, sharded over efsdp = dp·tp/ep (E/(dp·tp) each)."""
     dense, experts = _splits(r, lay)
-    whole, sharded = dense + experts, dense / lay.shards + experts / _efsdp(lay)
+    whole, sharded = dense + experts, dense / lay.shards + experts / lay.efsdp
     t, f = r.trainable, r.frozen
     w = 2 if on_gpu and precision == "bf16" else 4
     unsharded = accum > 1 and t > 0  # no_sync: gradients and weights kept whole between micro-batches
@@ -58,11 +58,6 @@ def _splits(r: RoleParams, lay: Layout) -> tuple[float, float]:
     return 1 - r.tp_fraction - r.expert_fraction + r.tp_fraction / lay.tp, r.expert_fraction / lay.ep
 
 
-def _efsdp(lay: Layout) -> int:
-    """Ranks holding the same experts, FSDP-sharding them: dp_shard · tp / ep (ep refuses dp_replicate and sp)."""
-    return max(1, lay.dp * lay.tp // lay.ep)
-
-
 def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gpu: bool = True) -> list[Collective]:
     """The root (embeddings, head) is not resharded after forward; gradients reduce on the last micro-batch. Under ep
     a rank's experts are gathered and reduced over efsdp, the rest over dp × sp."""
@@ -70,10 +65,12 @@ def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gp
     dense, experts = _splits(role, lay)
     wg = 2 if on_gpu and precision == "bf16" else 4
     out = []
-    for share, n, what in ((dense, lay.shards, ""), (experts, _efsdp(lay), "experts ")):
+    # (share, ranks it is sharded over, label, the part of it in decoder blocks: the experts are all in blocks)
+    parts = ((dense, lay.shards, "", role.block_fraction), (experts, lay.efsdp, "experts ", 1.0))
+    for share, n, what, in_blocks in parts:
         if not share:
             continue
-        whole, blocks = wg * (t + f) * share, wg * (t + f) * share * (role.block_fraction if not what else 1)
+        whole, blocks = wg * (t + f) * share, wg * (t + f) * share * in_blocks
         if not t:
             out.append(Collective(f"{what}weights, forward", "all_gather", whole, n, k))
             continue

@@ -45,10 +45,6 @@ class BackendSpec:
     collectives: Callable[..., Any]
     # (backend cfg, world size) -> problems, each naming the field and the fix; pure Python, nothing loaded
     problems: Callable[[Any, int], list[str]] = no_problems
-    # (backend cfg, world size, the model's transformers config) -> problems (tp vs heads, a TP plan)
-    model_problems: Callable[[Any, int, Any], list[str]] = no_problems
-    # the planner: (backend cfg, world, models.facts.ModelFacts) -> problems (model_problems on facts, no weights)
-    plan_problems: Callable[[Any, int, Any], list[str]] = no_problems
     # (Layout, ModelFacts) -> (parameters gathered whole at once, parameters gathered again in backward or None)
     gathers: Callable[[Any, Any], tuple[int, float | None]] = no_gathers
     # (backend cfg, run cfg) -> what this backend cannot run of the run's optim group (Muon's layouts), naming the fix

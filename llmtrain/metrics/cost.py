@@ -40,6 +40,12 @@ class Layout:
         """Ranks a ZeRO / FSDP backend shards over and reduces gradients across: dp × sp."""
         return self.dp * self.sp
 
+    @property
+    def efsdp(self) -> int:
+        """Under ep, the ranks holding the same experts, which FSDP-shard them: dp_shard · tp / ep (ep refuses
+        dp_replicate and sp, so dp is dp_shard; models/expert_parallel.efsdp_size)."""
+        return max(1, self.dp * self.tp // self.ep)
+
 
 @dataclass(frozen=True)
 class RoleParams:

@@ -116,18 +116,19 @@ def all_to_all_bytes(arch: Any, tokens: int, *, ep: int, tp: int = 1, element_by
 
 
 def exchange_bytes(*, experts: int, top_k: int, moe_layers: int, hidden: int, tokens: int, ep: int, tp: int = 1,
-                   element_bytes: int = 4, recompute: bool = False) -> int:
+                   element_bytes: int = 4, recompute: bool = False, backward: bool = True) -> int:
     """Bytes one rank hands to `dist.all_to_all_single` (the live meter's payload) for `tokens` tokens of its batch
     (a tp group shares them: each peer sends 1/tp): per MoE layer, forward the expert counts (E int64) and the (token,
     slot) rows out and back, backward their gradients back and out. Rows out = tokens/tp · k exactly; rows back = the
     rows this rank's experts received, tokens/tp · k under balanced routing (exact in the sum over the ep group).
-    recompute: activation checkpointing runs each layer's forward twice. (The planner calls this with its facts.)"""
+    recompute: activation checkpointing runs each layer's forward twice; backward False: a frozen role's forward only.
+    (The planner calls this with its facts.)"""
     if ep == 1:
         return 0
     rows = tokens // tp * top_k
     forward = 8 * experts + 2 * rows * hidden * element_bytes
-    backward = 2 * rows * hidden * element_bytes
-    return moe_layers * ((2 if recompute else 1) * forward + backward)
+    gradients = 2 * rows * hidden * element_bytes if backward else 0
+    return moe_layers * ((2 if recompute else 1) * forward + gradients)
 
 
 # ---- the all-to-all dispatch ----------------------------------------------------------------------------------

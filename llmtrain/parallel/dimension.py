@@ -19,24 +19,19 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-def _nothing(*args: Any) -> list[str]:
-    return []
-
-
 @dataclass(frozen=True)
 class Dimension:
     name: str  # the degree's field, backend.<name>, and its mesh dimension's name
-    meaning: str  # "tensor parallelism": how messages and the planner name it
     position: int | None  # place in the world mesh, outermost first; None: carved out of others (`carved_from`)
     default: int = 1  # the degree of a backend without the field
     same_data: bool = False  # its ranks read the same examples: it divides the data-parallel size (tp, sp, pp)
     carved_from: tuple[str, ...] = ()  # ep: a regrouping of these dimensions' ranks, not a factor of the world
     # (backend cfg, degrees {name: degree}) -> problems of the degrees and the dimension's own fields
-    problems: Callable[[Any, dict], list[str]] = _nothing
-    # (backend cfg, ParallelDims, transformers config) -> problems of this model at these degrees
-    arch_problems: Callable[[Any, Any, Any], list[str]] = _nothing
+    problems: Callable[[Any, dict], list[str]] | None = None
+    # (backend cfg, ParallelDims, transformers config) -> problems of this model at these degrees (asked when > 1)
+    arch_problems: Callable[[Any, Any, Any], list[str]] | None = None
     # (backend cfg, ParallelDims, models.facts.ModelFacts) -> the same on the planner's facts (no config at hand)
-    facts_problems: Callable[[Any, Any, Any], list[str]] = _nothing
+    facts_problems: Callable[[Any, Any, Any], list[str]] | None = None
     # (world DeviceMesh, ParallelDims) -> {name: DeviceMesh} the views it adds (flattened or regrouped dims)
     meshes: Callable[[Any, Any], dict] | None = None
     # why the backends whose config lacks the field do not run it (their messages say so)
@@ -97,10 +92,14 @@ def dimension_lines(setting: Any, rows: list) -> list[str]:
 
 def degrees_of(backend: Any) -> dict[str, int]:
     """{dimension: degree} a backend config asks for: the one reader of `backend.<dimension>` fields (a backend without
-    a field has the dimension's default: dp_shard -1, the rest of the world; every other 1). A degree stays as written
-    (0 or negative too) for the checks to refuse."""
-    return {name: int(getattr(backend, name, dim.default) if getattr(backend, name, None) is not None else dim.default)
-            for name, dim in DIMENSIONS.items()}
+    a field, or null in it, has the dimension's default: dp_shard -1, the rest of the world; every other 1). A degree
+    stays as written (0 or negative too) for the checks to refuse."""
+    return with_defaults({name: getattr(backend, name, None) for name in DIMENSIONS})
+
+
+def with_defaults(degrees: dict[str, int | None]) -> dict[str, int]:
+    """Every registered dimension's degree: as given, else (absent or None) its default."""
+    return {name: dim.default if degrees.get(name) is None else int(degrees[name]) for name, dim in DIMENSIONS.items()}
 
 
 def degree_of(backend: Any, name: str) -> int:

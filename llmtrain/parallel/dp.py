@@ -13,7 +13,7 @@ def _replica_views(world, dims) -> dict:
     return {"dp": world[dims.dp_dim_names]._flatten("dp")}
 
 
-DP_REPLICATE = register(Dimension(name="dp_replicate", meaning="replicated data parallelism (HSDP)", position=10,
+DP_REPLICATE = register(Dimension(name="dp_replicate", position=10,
                                   meshes=_replica_views))
-DP_SHARD = register(Dimension(name="dp_shard", meaning="sharded data parallelism (FSDP, ZeRO)", position=20,
+DP_SHARD = register(Dimension(name="dp_shard", position=20,
                               default=-1))

@@ -61,15 +61,14 @@ def facts_problems(backend: Any, dims: Any, facts: Any) -> list[str]:
 def collectives(layout: Any, facts: Any, precision: str, *, tokens_per_micro: int, accum: int, trainable: bool,
                 checkpointing: bool) -> list:
     """The tokens' all-to-all to their experts and back, per micro-batch (models/expert_parallel.exchange_bytes: what
-    this rank hands to all_to_all_single, the live meter's payload), in the working precision."""
+    this rank hands to all_to_all_single, the live meter's payload), in the working precision. A frozen role (a
+    reference model) exchanges in its forward only."""
     from llmtrain.metrics.cost import Collective, elem_bytes
     from llmtrain.models.expert_parallel import exchange_bytes
 
-    if not trainable:
-        return []  # a frozen MoE role under ep: not built (refused with LoRA / frozen roles below)
     payload = exchange_bytes(experts=facts.experts, top_k=facts.top_k, moe_layers=facts.moe_layers, hidden=facts.hidden,
                              tokens=tokens_per_micro, ep=layout.ep, tp=layout.tp, element_bytes=elem_bytes(precision),
-                             recompute=checkpointing)
+                             recompute=checkpointing and trainable, backward=trainable)
     return [Collective("EP all-to-all (tokens to experts and back)", "all_to_all", payload, layout.ep, accum,
                        overlapped=False)]
 
@@ -77,7 +76,7 @@ def collectives(layout: Any, facts: Any, precision: str, *, tokens_per_micro: in
 def plan_line(st: Any, row: Any) -> str:
     """The experts a rank holds, how they are sharded, and the all-to-all's traffic."""
     f, lay = st.facts, row.layout
-    efsdp = max(1, lay.dp * lay.tp // lay.ep)
+    efsdp = lay.efsdp
     exchanged = sum(c.wire for c in row.comm if c.what.startswith("EP all-to-all"))
     held, total = f.expert_params / lay.ep / 1e9, f.expert_params / 1e9
     return (f"{lay.name}: ep {lay.ep} × efsdp {efsdp}: {f.experts // lay.ep} of {f.experts} experts per rank in each "
@@ -89,22 +88,24 @@ def plan_line(st: Any, row: Any) -> str:
 def _views(world, dims) -> dict:
     """"ep" (ranks holding different experts, exchanging tokens) and "efsdp" (ranks holding the same experts, which
     FSDP-shard them), regrouped from dp_shard × tp, ep innermost (an expert group on adjacent ranks)."""
+    from llmtrain.models.expert_parallel import efsdp_size
+
     shard_tp = world["dp_shard"] if dims.tp == 1 else world[("dp_shard", "tp")]._flatten("dp_shard_ep")
-    efsdp = dims.dp_shard * dims.tp // dims.ep
-    carved = shard_tp._unflatten(0, (efsdp, dims.ep), ("efsdp", "ep"))
+    carved = shard_tp._unflatten(0, (efsdp_size(dims.dp_shard, dims.tp, dims.ep), dims.ep), ("efsdp", "ep"))
     return {"ep": carved["ep"], "efsdp": carved["efsdp"]}
 
 
 def apply(model, dims) -> None:
     """After tp (which leaves the experts to ep): each rank keeps its E/ep experts; tp peers share their tokens."""
-    from llmtrain.models.expert_parallel import apply_expert_parallel
+    from llmtrain.models.expert_parallel import apply_expert_parallel, efsdp_size
     from llmtrain.models.lora import unwrap_peft
     from llmtrain.models.moe import expert_count
 
     split = apply_expert_parallel(unwrap_peft(model), dims.mesh("ep"), dims.mesh("tp") if dims.tp > 1 else None,
                                   arch=model.config)
+    experts = expert_count(model.config)
     log.info("ep %d: %d experts modules split, %d of %d experts per rank, sharded over efsdp %d", dims.ep, split,
-             expert_count(model.config) // dims.ep, expert_count(model.config), dims.dp_shard * dims.tp // dims.ep)
+             experts // dims.ep, experts, efsdp_size(dims.dp_shard, dims.tp, dims.ep))
 
 
 def shard(model, dims, **fsdp_kwargs) -> None:
@@ -116,7 +117,7 @@ def shard(model, dims, **fsdp_kwargs) -> None:
     shard_experts(unwrap_peft(model), dims.mesh("efsdp"), dims.dp_size, arch=model.config, **fsdp_kwargs)
 
 
-EP = register(Dimension(name="ep", meaning="expert parallelism", position=None, carved_from=("dp_shard", "tp"),
+EP = register(Dimension(name="ep", position=None, carved_from=("dp_shard", "tp"),
                         elsewhere="DeepSpeed's MoE layer is not transformers' experts module, and DDP keeps every "
                                   "expert on every rank",
                         problems=problems, arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views,

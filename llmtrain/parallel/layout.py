@@ -10,20 +10,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from math import prod
-from typing import Any
+from typing import Any, Callable
 
-from llmtrain.parallel.dimension import DIMENSIONS, degrees_of, mesh_order
+from llmtrain.parallel.dimension import DIMENSIONS, degrees_of, mesh_order, with_defaults
 
 NAMED_ALWAYS = ("dp_replicate", "dp_shard", "tp")  # in every message; the others when set
 
 
+def shown_degrees(degrees: dict[str, int], item: str) -> str:
+    """Every degree a message names, `item` formatted with {name} and {degree}: the mesh's outermost first
+    (dp_replicate, dp_shard and tp always, the others when not 1), then the carved ones that are set, in parentheses."""
+    mesh = [d.name for d in mesh_order() if d.name in NAMED_ALWAYS or degrees[d.name] != 1]
+    carved = [d.name for d in DIMENSIONS.values() if d.position is None and degrees[d.name] != 1]
+    text = " × ".join(item.format(name=n, degree=degrees[n]) for n in mesh)
+    return text + (f" ({', '.join(item.format(name=n, degree=degrees[n]) for n in carved)})" if carved else "")
+
+
 def describe_degrees(degrees: dict[str, int]) -> str:
     """`backend.dp_replicate=1 × backend.dp_shard=4 × backend.tp=2` (pp, sp, ... only when set, carved ones after)."""
-    shown = [f"backend.{d.name}={degrees[d.name]}" for d in mesh_order()
-             if d.name in NAMED_ALWAYS or degrees.get(d.name, d.default) != 1]
-    carved = [f"backend.{d.name}={degrees[d.name]}" for d in DIMENSIONS.values()
-              if d.position is None and degrees.get(d.name, 1) != 1]
-    return " × ".join(shown) + (f" ({', '.join(carved)})" if carved else "")
+    return shown_degrees(degrees, "backend.{name}={degree}")
 
 
 def degree_problems(degrees: dict[str, int], world_size: int) -> list[str]:
@@ -72,10 +77,11 @@ class ParallelDims:
     def problems(cls, world_size: int, backend: Any = None, **degrees: int) -> list[str]:
         """Every problem of these degrees (keywords; unnamed ones take their defaults) and, given the backend config,
         of each dimension's own fields."""
-        full = {name: degrees.get(name, dim.default) for name, dim in DIMENSIONS.items()}
+        full = with_defaults(degrees)
         found = degree_problems(full, world_size)
         if not found:  # each dimension's own checks see dp_shard inferred
-            found = [p for dim in DIMENSIONS.values() for p in dim.problems(backend, _inferred(full, world_size))]
+            found = [p for dim in DIMENSIONS.values() if dim.problems is not None
+                     for p in dim.problems(backend, _inferred(full, world_size))]
         return found
 
     @classmethod
@@ -85,8 +91,7 @@ class ParallelDims:
         problems = cls.problems(world_size, **degrees)
         if problems:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-        full = _inferred({name: degrees.get(name, dim.default) for name, dim in DIMENSIONS.items()}, world_size)
-        return cls(tuple(full.items()), world_size, device_type)
+        return cls(tuple(_inferred(with_defaults(degrees), world_size).items()), world_size, device_type)
 
     @classmethod
     def of(cls, backend: Any, world_size: int, device_type: str | None = None) -> ParallelDims:
@@ -120,13 +125,20 @@ class ParallelDims:
         """Ranks that read different examples (the one place it is derived)."""
         return self.dp_replicate * self.dp_shard
 
-    def model_problems(self, backend: Any, arch: Any) -> list[str]:
-        """Every dimension's problems with this model (its transformers config), each naming the field and the fix."""
-        return [p for dim in DIMENSIONS.values() for p in dim.arch_problems(backend, self, arch)]
+    def model_problems(self, backend: Any, load_arch: Callable[[], Any]) -> list[str]:
+        """Every set dimension's problems with this model, each naming the field and the fix; `load_arch()` (its
+        transformers config, no weights) is called only when a dimension set here (> 1) checks the model."""
+        checks = [d.arch_problems for d in self._set() if d.arch_problems is not None]
+        arch = load_arch() if checks else None
+        return [p for check in checks for p in check(backend, self, arch)]
 
     def facts_problems(self, backend: Any, facts: Any) -> list[str]:
         """model_problems on the planner's model facts."""
-        return [p for dim in DIMENSIONS.values() for p in dim.facts_problems(backend, self, facts)]
+        return [p for d in self._set() if d.facts_problems is not None for p in d.facts_problems(backend, self, facts)]
+
+    def _set(self) -> list:
+        """The registered dimensions whose degree here is > 1."""
+        return [d for d in DIMENSIONS.values() if getattr(self, d.name) > 1]
 
     @property
     def dp_dim_names(self) -> tuple[str, ...]:
@@ -203,12 +215,8 @@ class ParallelDims:
         return mesh
 
     def __str__(self) -> str:
-        shown = [f"{d.name} {getattr(self, d.name)}" for d in mesh_order()
-                 if d.name in NAMED_ALWAYS or getattr(self, d.name) != 1]
-        carved = [f"{d.name} {getattr(self, d.name)}" for d in DIMENSIONS.values()
-                  if d.position is None and getattr(self, d.name) != 1]
-        return (f"world {self.world_size} = {' × '.join(shown)}{' (' + ', '.join(carved) + ')' if carved else ''} "
-                f"(data parallel {self.dp_size})")
+        layout = shown_degrees(self.degrees, "{name} {degree}")
+        return f"world {self.world_size} = {layout} (data parallel {self.dp_size})"
 
 
 def divisors_of_all(values: list[int]) -> list[int]:

@@ -37,5 +37,5 @@ def facts_problems(backend: Any, dims: Any, facts: Any) -> list[str]:
     return model_problems(backend, facts.layers, 0, facts.model_type) if dims.pp > 1 else []
 
 
-PP = register(Dimension(name="pp", meaning="pipeline parallelism", position=0, same_data=True, problems=problems,
+PP = register(Dimension(name="pp", position=0, same_data=True, problems=problems,
                         arch_problems=arch_problems, facts_problems=facts_problems))

@@ -59,6 +59,6 @@ def _views(world, dims) -> dict:
             "loss": world[(*dims.dp_dim_names, "sp")]._flatten("loss")}
 
 
-SP = register(Dimension(name="sp", meaning="sequence parallelism (Ulysses)", position=30, same_data=True,
+SP = register(Dimension(name="sp", position=30, same_data=True,
                         problems=problems, arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views,
                         collectives=collectives, plan_line=plan_line))

@@ -64,6 +64,6 @@ def apply(model, dims) -> None:
         shard_head_over_vocab(unwrap_peft(model), dims.mesh("tp"))
 
 
-TP = register(Dimension(name="tp", meaning="tensor parallelism", position=40, same_data=True,
+TP = register(Dimension(name="tp", position=40, same_data=True,
                         arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views, apply=apply,
                         plan_line=plan_line))

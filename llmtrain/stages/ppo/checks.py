@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.backends import parallel_degrees
 from llmtrain.losses.advantages import (
     ADVANTAGE_ESTIMATORS,
     SCALE_REWARDS,
@@ -15,6 +14,7 @@ from llmtrain.losses.advantages import (
 )
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import LOSS_AGGREGATIONS, RATIO_LEVELS, resolve_loss_agg
+from llmtrain.parallel import degree_of
 
 CRITIC_INITS = ("policy", "reward")
 SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding masks: wrong for left-padded prompts
@@ -68,7 +68,7 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if rollout.max_new_tokens >= d.max_seq_len:
         problems.append(f"ppo.rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
                         f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len")
-    tp = parallel_degrees(cfg.backend)["tp"]
+    tp = degree_of(cfg.backend, "tp")
     if tp > 1:
         problems.append(f"stage {stage} with backend.tp={tp}: generation under tensor parallelism is not "
                         f"supported yet; use backend.tp=1 (backend={cfg.backend.name})")
