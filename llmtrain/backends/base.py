@@ -25,7 +25,7 @@ from llmtrain.optim.spec import MuonSpec
 
 if TYPE_CHECKING:
     from llmtrain.distributed import DistContext
-from llmtrain.parallel import ParallelDims
+    from llmtrain.parallel import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     from llmtrain.optim.build import adamw_groups
 
     return adamw_groups(list(model.parameters()), weight_decay)
-
-
-def build_adamw(model: torch.nn.Module, spec: OptimizerSpec, fused: bool = False) -> torch.optim.Optimizer:
-    """The run's optimizer (optim.name: AdamW, or Muon + AdamW): llmtrain.optim.build.build_optimizer."""
-    from llmtrain.optim.build import build_optimizer
-
-    return build_optimizer(model, spec, fused=fused)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> torch.optim.lr_scheduler.LRScheduler:

@@ -17,7 +17,6 @@ from llmtrain.backends.base import (
     OptimizerSpec,
     ScaledOptimizerSteps,
     autocast_dtype,
-    build_adamw,
     build_scheduler,
     generation_mode,
     has_frozen_params,
@@ -26,6 +25,7 @@ from llmtrain.backends.base import (
     trainable_state_dict,
 )
 from llmtrain.distributed import DistContext
+from llmtrain.optim.build import build_optimizer
 from llmtrain.parallel import ParallelDims
 
 
@@ -61,7 +61,7 @@ class DDPEngine(ScaledOptimizerSteps):
             self.optimizer = self.scheduler = None
         else:
             self.module = self._wrap_ddp(self.model) if ctx.world_size > 1 else self.model
-            self.optimizer = build_adamw(self.model, optim, fused=ctx.device.type == "cuda")
+            self.optimizer = build_optimizer(self.model, optim, fused=ctx.device.type == "cuda")
             self.scheduler = build_scheduler(self.optimizer, optim)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16")
 

@@ -32,7 +32,6 @@ from llmtrain.backends import dims_for
 from llmtrain.backends.base import (
     OptimizerSpec,
     autocast_dtype,
-    build_adamw,
     build_scheduler,
     generation_mode,
     has_frozen_params,
@@ -45,6 +44,7 @@ from llmtrain.backends.deepspeed_ops import build_offload_adam, check_ops, impor
 from llmtrain.config import ConfigError
 from llmtrain.distributed import DistContext, barrier
 from llmtrain.models.lora import is_peft
+from llmtrain.optim.build import build_optimizer
 from llmtrain.optim.zero_layout import attach_zero_layouts
 from llmtrain.parallel import ParallelDims
 
@@ -78,7 +78,7 @@ class DeepSpeedEngine:
             if not self.optimizer_name.startswith("DeepSpeedCPUAdam"):
                 config["zero_force_ds_cpu_optimizer"] = False
         else:
-            self.optimizer = build_adamw(model, optim)
+            self.optimizer = build_optimizer(model, optim)
             self.optimizer_name = type(self.optimizer).__name__
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler,

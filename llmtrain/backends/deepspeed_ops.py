@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends.base import OptimizerSpec, build_adamw, param_groups
+from llmtrain.backends.base import OptimizerSpec, param_groups
 from llmtrain.backends.deepspeed_config import DeepSpeedSettings
 from llmtrain.config import ConfigError
+from llmtrain.optim.build import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def build_offload_adam(model: torch.nn.Module, spec: OptimizerSpec):
     except Exception as error:  # noqa: BLE001 - the op build can fail in many ways (no compiler, no headers)
         log.warning("optimizer offload: DeepSpeed's cpu_adam op cannot build here (%s); FALLBACK: torch.optim.AdamW "
                     "runs on the host instead (same maths, slower); zero_force_ds_cpu_optimizer=false", error)
-        return build_adamw(model, spec), "torch.optim.AdamW (fallback: cpu_adam op did not build)"
+        return build_optimizer(model, spec), "torch.optim.AdamW (fallback: cpu_adam op did not build)"
 
 
 def main() -> int:
