@@ -25,7 +25,7 @@ def usage() -> str:
     """`python -m llmtrain --help`: the recipes, the config groups and their options, where the fields are."""
     import yaml
 
-    from llmtrain.paths import available_recipes, conf_dir, recipes_dir
+    from llmtrain.paths import available_recipes, conf_dir, docs_page, recipes_dir
 
     root = conf_dir()
     defaults = {}
@@ -44,7 +44,9 @@ def usage() -> str:
         lines.append(f"  {group.name:<8} {', '.join(options)}{default}")
     lines += ["", "fields: FIELD=VALUE sets any field, e.g. trainer.max_steps=100 optim.lr=1e-3 data.packing=true",
               "  precision=bf16 backend.zero_stage=3 model.from_config.n_embd=64 (with model=tiny_gpt2) dry_run=true;",
-              "  every field and its meaning: README.md, section \"Command line\".", "",
+              f"  every field, its default and the values it takes: {docs_page('reference/config.md')}",
+              f"  recipes and the command line: {docs_page('guide/cli.md')}; everything else: {docs_page('index.md')}",
+              "",
               "examples:", "  python -m llmtrain recipe=sft_tiny",
               "  python -m llmtrain recipe=sft_tiny model=tiny_qwen2 trainer.max_steps=100",
               "  python -m llmtrain recipe=sft_7b dry_run=true"]

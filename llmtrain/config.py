@@ -17,18 +17,19 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 100
-    seed: int = 1234
-    micro_batch_size: int = 8  # per rank
-    grad_accum_steps: int = 1
+    max_steps: int = 100  # optimizer steps to train (PPO/GRPO: iterations, each a rollout and its updates)
+    seed: int = 1234  # seeds the data order, weights not loaded from a checkpoint, dropout and sampling
+    micro_batch_size: int = 8  # rows per forward on each rank (the pair stages: pairs; PPO: sequences)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step on each rank (under pp: the pipeline's)
     global_batch_size: Optional[int] = None  # when set: must equal micro × accum × dp
     eval_every_n_steps: int = 0  # 0: evaluate only after the last step
     eval_batch_size: Optional[int] = None  # default: micro_batch_size
     log_every_n_steps: int = 10  # console only; metrics.jsonl gets every step
     save_every_n_steps: int = 0  # 0: save only after the last step
-    keep_last_k: int = 2
-    skip_nonfinite: bool = False
-    collective_timeout_s: int = 600
+    keep_last_k: int = 2  # complete checkpoints kept along this run's lineage; older ones are removed
+    skip_nonfinite: bool = False  # true: skip a step whose loss or grad norm is not finite (counted in
+    # skipped_steps); false: stop every rank with an error (exit code 3)
+    collective_timeout_s: int = 600  # a collective stuck longer than this ends the job, naming the rank and step
 
 
 @dataclass
@@ -36,11 +37,12 @@ class MuonConfig:
     """optim.name=muon (llmtrain/optim): torch.optim.Muon on the hidden matrices, AdamW (OptimConfig's) on the rest."""
     lr: Optional[float] = None  # null: optim.lr (adjust_lr_fn=match_rms_adamw makes the AdamW lr carry over)
     weight_decay: Optional[float] = None  # null: optim.weight_decay
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
-    eps: float = 1e-7
+    momentum: float = 0.95  # Muon's momentum
+    nesterov: bool = True  # Nesterov momentum
+    ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise each update
+    ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])  # (a, b, c) of
+    # the Newton-Schulz polynomial (torch.optim.Muon's)
+    eps: float = 1e-7  # added to the norm Newton-Schulz divides by
     adjust_lr_fn: str = "match_rms_adamw"  # | original (Keller Jordan's; torch's default)
     experts: str = "per_matrix"  # 3-D MoE weights: Muon on each expert matrix | adamw
 
@@ -48,13 +50,13 @@ class MuonConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | muon
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    warmup_steps: int = 0
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay; never on biases and norms
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's (β1, β2)
+    eps: float = 1e-8  # Adam's ε
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over these optimizer steps
     schedule: str = "cosine"  # cosine | linear | constant
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the lr the schedule ends at, as a fraction of lr
     max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
     muon: MuonConfig = field(default_factory=MuonConfig)  # read under name=muon only
 
@@ -67,40 +69,43 @@ class ModelConfig:
     tokenizer: Optional[str] = None  # default: the model directory
     attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else flex_segments on GPU,
     # sdpa_segments on CPU
-    activation_checkpointing: bool = False
-    dropout: float = 0.0
-    trust_remote_code: bool = False
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    dropout: float = 0.0  # dropout set in the model's config; 0 for the pairwise and RL stages
+    trust_remote_code: bool = False  # let transformers run code shipped with a checkpoint (trusted ones only)
     fused_loss: str = "auto"  # auto | chunked | liger | off: the LM head and the loss computed together over chunks
     # of tokens (no (tokens, V) logits); liger: Liger Kernel's fused linear cross-entropy for the causal-LM sum (CUDA,
-    # liger_kernel installed, no tp: models/liger.py); auto: liger where it can run, else chunked; off: full logits
+    # liger_kernel installed, no tp: models/liger.py); off: full logits; auto: full logits where the vocabulary is
+    # small (V ≤ 5.7·h: models/fused_head.head_is_fused), else liger where it can run, else chunked
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head; 0: chosen from the vocabulary and hidden size
 
 
 @dataclass
 class DataConfig:
-    train_files: List[str] = field(default_factory=list)
-    eval_files: List[str] = field(default_factory=list)
-    eval_fraction: float = 0.0
-    dataset: Optional[str] = None
-    split: str = "train"
-    eval_split: Optional[str] = None
-    format: str = "text"  # text | prompt_response | alpaca | messages
-    max_seq_len: int = 512
-    packing: bool = False
+    train_files: List[str] = field(default_factory=list)  # local .jsonl / .json / .parquet files
+    eval_files: List[str] = field(default_factory=list)  # held-out files (or eval_fraction)
+    eval_fraction: float = 0.0  # the share of the training rows held out for eval (a seeded split)
+    dataset: Optional[str] = None  # a `datasets` name or a save_to_disk directory (instead of train_files)
+    split: str = "train"  # the dataset's training split
+    eval_split: Optional[str] = None  # the dataset's held-out split (or eval_fraction)
+    format: str = "text"  # text | prompt_response | alpaca | messages | preference | unpaired (data/formats.py)
+    max_seq_len: int = 512  # tokens per row; longer samples follow data.overlong
+    packing: bool = False  # several samples per row (best-fit decreasing), attention within each sample
     overlong: str = "truncate"  # truncate | drop | chunk (text only: a long text becomes several rows)
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes (the samples of a step do not depend on it)
     group_by_length: bool = False  # batches of similar lengths: less padding, less random order
+    ignore_columns: List[str] = field(default_factory=list)  # columns carrying a preference signal (chosen, rejected,
+    # label, margin, kind) that data.format may drop unread; any other such column is an error (data/formats.py)
 
 
 @dataclass
 class WandbConfig:
-    enabled: bool = False
-    project: str = "llmtrain"
-    name: Optional[str] = None
+    enabled: bool = False  # log to Weights & Biases (logger=wandb sets it)
+    project: str = "llmtrain"  # the W&B project
+    name: Optional[str] = None  # the W&B run name; null: W&B's
     dir: Optional[str] = None  # default: the run dir
     mode: Optional[str] = None  # null respects WANDB_MODE; online | offline
-    entity: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    entity: Optional[str] = None  # the W&B entity (user or team); null: your default
+    tags: List[str] = field(default_factory=list)  # W&B run tags
 
 
 @dataclass
@@ -124,9 +129,9 @@ class StageConfig:
 class PeftConfig:
     """peft=lora: low-rank adapters (the peft library) on the trainable roles; the base stays frozen."""
     name: str = "none"  # none | lora
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    r: int = 8  # the adapters' rank
+    alpha: float = 16.0  # LoRA's alpha: the adapters' output is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input; 0 for DPO's and PPO's adapter-off reference
     # "all-linear" (every Linear but the output layer) or a list of module names (q_proj, v_proj, ...).
     # Typed Any: OmegaConf has no str | list.
     target_modules: Any = "all-linear"
@@ -155,12 +160,12 @@ class PlanConfig:
 
 @dataclass
 class RunConfig:
-    recipe: str = ""
-    output_dir: Optional[str] = None  # default: runs/<recipe>
+    recipe: str = ""  # the recipe composed (recipe=NAME: recipes/NAME.yaml, or a path to a yaml)
+    output_dir: Optional[str] = None  # the run directory; default: runs/<recipe>
     resume: Optional[str] = None  # auto | PATH (a run dir or one step folder) | null
-    dry_run: bool = False
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
-    device: str = "auto"  # auto | cpu | cuda
+    dry_run: bool = False  # true: resolve, validate, print the summary and the plan for this world, exit
+    precision: str = "auto"  # auto: fp32 on CPU, bf16 on a GPU that supports it; fp16 scales the loss dynamically
+    device: str = "auto"  # auto: cuda when a GPU is visible, else cpu
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -26,3 +26,16 @@ def recipes_dir() -> Path:
 
 def available_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+# The documentation: the pages under docs/ (mkdocs.yml builds them into a site). Set DOCS_URL to the site's address
+# once it is published, and every message that names a page names it there.
+DOCS_URL: str | None = None
+
+
+def docs_page(page: str) -> str:
+    """A documentation page as a message names it; `page` is its path under docs/ ("reference/config.md").
+    tests/unit/test_docs.py checks that every page llmtrain names exists."""
+    if DOCS_URL:
+        return f"{DOCS_URL.rstrip('/')}/{page.removesuffix('.md').removesuffix('index').rstrip('/')}/"
+    return f"docs/{page}"

@@ -32,6 +32,7 @@ from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
+from llmtrain.models.fused_head import head_is_fused
 from llmtrain.models.liger import head_kernel, liger_installed
 from llmtrain.models.load import (
     attention_for_family,
@@ -41,6 +42,7 @@ from llmtrain.models.load import (
     resolve_attn_implementation,
 )
 from llmtrain.models.lora import LoraSettings
+from llmtrain.models.ring_attention import register_ring_attention
 from llmtrain.models.ulysses import ulysses_attention
 from llmtrain.optim.spec import muon_spec
 from llmtrain.parallel import degree_of
@@ -139,9 +141,10 @@ def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: st
     (sp_rank, sp, sp_group), model_attn = sequence_parallel_attention(backend, attn)
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
-                            ModelOptions(model_attn, m.dropout, m.activation_checkpointing, *fused_head(cfg, ctx)),
+                            ModelOptions(model_attn, m.dropout, m.activation_checkpointing,
+                                         *fused_head(cfg, ctx, configs[0], len(tokenizer))),
                             t.seed, optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
-    prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp, sp_group)
+    prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp, sp_group, degree_of(cfg.backend, "cp"))
     engines = stage.prepare(engines, data, prepare_batch)
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
@@ -203,13 +206,17 @@ def packs_rows(cfg: DictConfig, attn: str) -> bool:
     return cfg.data.packing or (stage_spec(cfg.stage.name).pairs and attn in FLEX_IMPLEMENTATIONS)
 
 
-def fused_head(cfg: DictConfig, ctx: DistContext) -> tuple[int | None, str]:
+def fused_head(cfg: DictConfig, ctx: DistContext, config, tokenizer_size: int) -> tuple[int | None, str]:
     """model.fused_loss -> (the fused head's chunk tokens (0: chosen from V and h) or None for full logits, the
-    kernel of its summed loss: "chunked" or "liger", models/liger.py)."""
+    kernel of its summed loss: "chunked" or "liger", models/liger.py). `config`: the trained model's architecture,
+    whose V (at least the tokenizer's) and h decide `auto` (models/fused_head.head_is_fused)."""
     m = cfg.model
-    if m.fused_loss == "off":
+    vocab, hidden = max(config.vocab_size, tokenizer_size), config.hidden_size
+    if not head_is_fused(m.fused_loss, vocab, hidden):
+        why = "model.fused_loss=off" if m.fused_loss == "off" else \
+            f"model.fused_loss=auto: V {vocab} ≤ 5.7 × h {hidden}, the logits weigh less than two layers' activations"
         if ctx.is_main:
-            log.info("LM head and loss: full (tokens, V) logits (model.fused_loss=off)")
+            log.info("LM head and loss: full (tokens, V) logits (%s)", why)
         return None, "chunked"
     kernel, why = head_kernel(m.fused_loss, ctx.device.type, degree_of(cfg.backend, "tp"), cfg.stage.name,
                               stage_spec(cfg.stage.name).lm_loss_sum, liger_installed())
@@ -220,26 +227,32 @@ def fused_head(cfg: DictConfig, ctx: DistContext) -> tuple[int | None, str]:
 
 
 def sequence_parallel_attention(backend, attn: str) -> tuple[tuple[int, int, object], str]:
-    """((sp rank, sp, sp group), the models' attention): with backend.sp > 1 the run's attention behind the Ulysses
-    exchange, registered under a name of this run's own (models/ulysses.py); else `attn` itself."""
+    """((rank, size, group) of the cp × sp ranks sharing each row, the models' attention): with backend.cp > 1 ring
+    attention (models/ring_attention.py), with backend.sp > 1 the run's attention (or the ring) behind the Ulysses
+    exchange (models/ulysses.py), each registered under a name of this run's own; else `attn` itself."""
     dims = getattr(backend, "dims", None)
-    if dims is None or dims.sp == 1:
+    if dims is None or dims.row_size == 1:
         return (0, 1, None), attn
     if attn != SEGMENT_ATTENTION:  # validation refuses what it can read; a hub family falling back to eager here
-        raise ConfigError(f"backend.sp={dims.sp}: the model runs {attn} attention, sequence parallelism needs "
-                          f"{SEGMENT_ATTENTION} (model.attn_implementation={SEGMENT_ATTENTION}); set backend.sp=1")
-    sp_rank, sp, group = dims.sequence_parallel()
-    return (sp_rank, sp, group), ulysses_attention(attn, sp, group)
+        raise ConfigError(f"backend.sp={dims.sp}, backend.cp={dims.cp}: the model runs {attn} attention, sequence and "
+                          f"context parallelism need {SEGMENT_ATTENTION} (model.attn_implementation="
+                          f"{SEGMENT_ATTENTION}); set backend.sp=1 and backend.cp=1")
+    if dims.cp > 1:
+        attn = register_ring_attention(dims.cp, dims.mesh("cp").get_group())
+    if dims.sp > 1:
+        attn = ulysses_attention(attn, dims.sp, dims.mesh("sp").get_group())
+    return dims.sequence_parallel(), attn
 
 
 def batch_preparer(device: torch.device, precision: str, attn_implementation: str, sp_rank: int = 0, sp: int = 1,
-                   sp_group=None):
+                   sp_group=None, cp: int = 1):
     """Move a batch to the device with the attention inputs its attention reads (a dense packed mask, when
-    one is needed, in the compute dtype: sdpa wants them equal). With sp > 1: this rank's sequence shard of it,
-    cut on the host (data/sequence_shard.py; a pair batch sums its sequences' parts over `sp_group`)."""
+    one is needed, in the compute dtype: sdpa wants them equal). With sp > 1 (the cp × sp ranks sharing each row):
+    this rank's sequence shard of it, cut on the host (data/sequence_shard.py; a pair batch sums its sequences'
+    parts over `sp_group`)."""
     mask_dtype = autocast_dtype(precision) or torch.float32
     if sp > 1:
-        shard = sequence_preparer(attn_implementation, sp_rank, sp, sp_group)
+        shard = sequence_preparer(attn_implementation, sp_rank, sp, sp_group, cp)
         return lambda batch: shard(batch).to(device, non_blocking=device.type == "cuda")
 
     def prepare(batch):

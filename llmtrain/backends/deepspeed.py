@@ -61,7 +61,7 @@ class DeepSpeedEngine:
         self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
         self.dp_rank, self.dp_size, self.dp_group = dims.data_parallel(ctx.rank)  # ZeRO partitions over the world
         self.sp_rank, self.sp_size, self.sp_group = dims.sequence_parallel()
-        self.zero_ranks = self.dp_size * self.sp_size  # ZeRO's group: every rank (sp peers hold the same weights)
+        self.zero_ranks = self.dp_size * self.sp_size  # ZeRO's group: every rank (cp, sp peers hold the same weights)
         self.stage = settings.zero_stage
         self.trainable = optim is not None
         self.skips_nonfinite_grads = precision == "fp16"  # DeepSpeed's dynamic loss scaler skips overflows
@@ -368,7 +368,7 @@ class DeepSpeedBackend:
         if model is not None and hidden is None and autos:
             raise ConfigError(f"{', '.join(autos)}=auto size DeepSpeed's buckets from the model's hidden_size, which "
                               f"{type(model).__name__}'s config lacks: set them to integers (elements)")
-        return build_ds_config(self.settings, dp_size=self.dims.dp_size * self.dims.sp, precision=self.precision,
+        return build_ds_config(self.settings, dp_size=self.dims.dp_size * self.dims.row_size, precision=self.precision,
                                max_grad_norm=max_grad_norm, hidden_size=hidden)
 
     def _write_config(self, config: dict) -> None:

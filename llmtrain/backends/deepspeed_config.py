@@ -29,7 +29,8 @@ class DeepSpeedConfig(BackendNode):
     """`backend=deepspeed` (and its presets zero0..zero3, zero3_offload): the DeepSpeed backend's typed group."""
     name: str = "deepspeed"
     zero_stage: int = 0
-    sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py); ZeRO partitions over every rank (dp × sp)
+    sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py); ZeRO partitions over every rank (dp × cp × sp)
+    cp: int = 1  # context parallelism: ring attention (models/ring_attention.py)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     overlap_comm: bool = False

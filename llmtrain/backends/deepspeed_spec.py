@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from llmtrain.backends.deepspeed_config import DeepSpeedConfig, deepspeed_problems
 from llmtrain.backends.spec import BackendSpec
-from llmtrain.metrics.cost import OFF_DEVICE, Collective, Layout, RoleParams, StateBytes, elem_bytes, grad_elem_bytes
+from llmtrain.metrics.cost import (
+    OFF_DEVICE,
+    Collective,
+    Layout,
+    RoleParams,
+    StateBytes,
+    elem_bytes,
+    grad_elem_bytes,
+    muon_gathers,
+)
 from llmtrain.optim.spec import MUON_FIX
 
 ZERO3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's stage3_max_reuse_distance default (numel); llmtrain does not set it
@@ -43,7 +52,7 @@ def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gp
     if lay.stage in (1, 2):
         bf16_zero1 = lay.stage == 1 and precision == "bf16"
         return [Collective("gradients", "all_reduce" if bf16_zero1 else "reduce", g * t, n, k if lay.stage == 2 else 1),
-                Collective("updated weights", "all_gather", w * t, n)]
+                Collective("updated weights", "all_gather", w * t, n), *muon_gathers(role, n)]
     gathered = w * max(0.0, t + f - role.persistent)  # ZeRO-3: persistent parameters are never gathered
     again = gathered if role.regathered is None else w * role.regathered
     out = [Collective("weights, forward", "all_gather", gathered, n, k)]
@@ -51,7 +60,7 @@ def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gp
         out.append(Collective("weights, backward", "all_gather", again, n, k))
     if t:
         out.append(Collective("gradients", "reduce_scatter", g * t, n, k))
-    return out
+    return out + muon_gathers(role, n)
 
 
 def zero3_regathered(layers: int, block: int, embed: int, head: int,
@@ -77,7 +86,8 @@ def gathers(lay: Layout, facts) -> tuple[int, float | None]:
 def layout(name: str, backend: DeepSpeedConfig, dims, hidden: int) -> Layout:
     threshold = backend.stage3_param_persistence_threshold
     return Layout(name=name, backend=SPEC, stage=backend.zero_stage, dp=dims.dp_size, tp=dims.tp, sp=dims.sp,
-                  offload_optimizer=backend.offload_optimizer.device, offload_param=backend.offload_param.device,
+                  cp=dims.cp, offload_optimizer=backend.offload_optimizer.device,
+                  offload_param=backend.offload_param.device,
                   persistence_threshold=10 * hidden if threshold == "auto" else int(threshold))
 
 

@@ -15,17 +15,18 @@ from typing import Any
 
 from llmtrain.backends.spec import BackendSpec
 from llmtrain.config import BackendNode
-from llmtrain.metrics.cost import Collective, Layout, RoleParams, StateBytes
+from llmtrain.metrics.cost import Collective, Layout, RoleParams, StateBytes, muon_gathers
 from llmtrain.optim.spec import MUON_FIX
 
 
 @dataclass
 class FSDP2Config(BackendNode):
-    """`backend=fsdp2` / `fsdp2_tp`: world = dp_replicate × dp_shard × sp × tp; dp_shard -1 = infer."""
+    """`backend=fsdp2` / `fsdp2_tp`: world = dp_replicate × dp_shard × cp × sp × tp; dp_shard -1 = infer."""
     name: str = "fsdp2"
     dp_replicate: int = 1
     dp_shard: int = -1
     sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py)
+    cp: int = 1  # context parallelism: ring attention (models/ring_attention.py)
     ep: int = 1  # expert parallelism, carved from dp_shard × tp (parallel/ep.py)
     tp: int = 1
     reshard_after_forward: bool = True
@@ -80,7 +81,7 @@ def collectives(role: RoleParams, lay: Layout, precision: str, accum: int, on_gp
         if lay.reshard_after_forward:
             out.append(Collective(f"{what}weights, backward", "all_gather", blocks, n, k))
         out.append(Collective(f"{what}gradients", "reduce_scatter", 4 * t * share, n))
-    return out
+    return out + muon_gathers(role, lay.shards * lay.tp)
 
 
 def gathers(lay: Layout, facts: Any) -> tuple[int, float | None]:
@@ -105,7 +106,7 @@ def optimizer_problems(backend: FSDP2Config, cfg) -> list[str]:
 
 
 def layout(name: str, backend: FSDP2Config, dims: Any, hidden: int) -> Layout:
-    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp, sp=dims.sp, ep=dims.ep,
+    return Layout(name=name, backend=SPEC, stage=3, dp=dims.dp_size, tp=dims.tp, sp=dims.sp, cp=dims.cp, ep=dims.ep,
                   offload_param="cpu" if backend.cpu_offload else "none",
                   reshard_after_forward=backend.reshard_after_forward,
                   head_tp=dims.tp if dims.pp == 1 else 1)  # the pipeline keeps its last stage's head whole

@@ -70,13 +70,15 @@ def build_examples(
     overlong: str = "truncate",
     packing: bool = False,
     unpaired: bool = False,
+    ignore_columns: tuple[str, ...] = (),
 ) -> tuple[TokenizedExamples, DataStats]:
     """Check settings, tokenise once (rank 0 first, others reuse the cache), drop, then pack.
 
     With a preference format, items are pairs (PAIR_COLUMNS) and are never packed. With `unpaired` (a stage that
     trains on unpaired completions, KTO) or the unpaired format, items are UNPAIRED_COLUMNS (data/unpaired_format.py).
+    `ignore_columns`: columns carrying a preference signal the format may drop unread (data.ignore_columns).
     """
-    check_columns(rows.column_names, fmt)
+    check_columns(rows.column_names, fmt, ignore_columns)
     check_tokenizer(tokenizer, fmt)
     check_length_policy(max_seq_len, overlong, fmt)
     kind = FORMAT_SPECS[fmt].example

@@ -66,7 +66,8 @@ class DataStats:
         return " ".join(f"{name}={value}" for name, value in asdict(self).items())
 
 
-def check_columns(column_names: list[str], fmt: str) -> None:
+def check_columns(column_names: list[str], fmt: str, ignored: tuple[str, ...] = ()) -> None:
+    """The format's columns are there, and no column carrying a preference signal would be dropped unread."""
     if fmt not in REQUIRED_COLUMNS:
         raise DataConfigError(f"data.format={fmt!r} is unknown; choose one of {sorted(REQUIRED_COLUMNS)}")
     for accepted in REQUIRED_COLUMNS[fmt]:
@@ -75,6 +76,24 @@ def check_columns(column_names: list[str], fmt: str) -> None:
                 f"data.format={fmt} needs a column {' or '.join(repr(n) for n in accepted)}, but the data "
                 f"has columns {sorted(column_names)}; rename the column or set data.format to match the data"
             )
+    dropped = [name for name in unread_signal_columns(column_names, fmt) if name not in ignored]
+    if dropped:
+        readers = "; ".join(f"{name!r} is read by data.format="
+                            + " or ".join(n for n, spec in FORMAT_SPECS.items() if name in spec.known_columns)
+                            for name in dropped)
+        raise DataConfigError(
+            f"data.format={fmt} does not read the data's column(s) {dropped}, which carry a preference signal "
+            f"({readers}): training would drop them unread. Set data.format to the format that reads them, or "
+            f"data.ignore_columns=[{','.join(dropped)}] to train without them")
+
+
+def unread_signal_columns(column_names: list[str], fmt: str) -> list[str]:
+    """The data's columns that a pair or unpaired format reads and no sequence format does (chosen, rejected, label,
+    margin, kind: what marks an example better or worse) which data.format=fmt does not read. Other unread columns
+    (ids, sources, a conversation kept beside its pair) are the hub's usual metadata and are left alone."""
+    content = {name for spec in FORMAT_SPECS.values() if spec.example == "sequence" for name in spec.known_columns}
+    signal = {name for spec in FORMAT_SPECS.values() if spec.example != "sequence" for name in spec.known_columns}
+    return sorted(set(column_names) & (signal - content) - set(FORMAT_SPECS[fmt].known_columns))
 
 
 def check_tokenizer(tokenizer, fmt: str) -> None:

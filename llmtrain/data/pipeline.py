@@ -26,7 +26,7 @@ class DataBundle:
 def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | None, split: str,
                eval_split: str | None, eval_fraction: float, fmt: str, max_seq_len: int, overlong: str,
                packing: bool, tokenizer, seed: int, rename_columns: dict[str, str] | None = None,
-               unpaired: bool = False) -> DataBundle:
+               unpaired: bool = False, ignore_columns: tuple[str, ...] = ()) -> DataBundle:
     """`rename_columns`: {data column: the name the format reads} (e.g. reward.margin_column -> margin); `unpaired`:
     the stage trains on unpaired completions (a pair format's pairs unpaired: data/unpaired_format.py)."""
     train_rows = rename(load_rows(list(train_files) or None, dataset, split), rename_columns, "data.train_files")
@@ -38,7 +38,8 @@ def build_data(*, train_files: list[str], eval_files: list[str], dataset: str | 
         eval_rows = rename(load_rows(None, dataset, eval_split), rename_columns, "data.eval_split")
     elif eval_fraction > 0:
         train_rows, eval_rows = split_eval(train_rows, eval_fraction, seed)
-    options = dict(fmt=fmt, max_seq_len=max_seq_len, overlong=overlong, packing=packing, unpaired=unpaired)
+    options = dict(fmt=fmt, max_seq_len=max_seq_len, overlong=overlong, packing=packing, unpaired=unpaired,
+                   ignore_columns=ignore_columns)
     train, train_stats = build_examples(train_rows, tokenizer, **options)
     if eval_rows is None:
         return DataBundle(train, None, train_stats, None)
@@ -57,7 +58,7 @@ def load_data(d, *, tokenizer, seed: int, max_prompt_len: int | None = None,
 
         return build_prompt_data(**sources, max_prompt_len=max_prompt_len)
     return build_data(**sources, max_seq_len=d.max_seq_len, overlong=d.overlong, packing=d.packing,
-                      rename_columns=rename_columns, unpaired=unpaired)
+                      rename_columns=rename_columns, unpaired=unpaired, ignore_columns=tuple(d.ignore_columns))
 
 
 def rename(rows, renames: dict[str, str] | None, where: str):

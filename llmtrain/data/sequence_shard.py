@@ -1,10 +1,12 @@
 """A batch cut into sequence shards for Ulysses sequence parallelism (models/ulysses.py): sp rank r holds the
-contiguous tokens [r·T/sp, (r+1)·T/sp) of every row.
+contiguous tokens [r·T/sp, (r+1)·T/sp) of every row. Under context parallelism (models/ring_attention.py) the row is
+cut into 2·cp chunks and cp rank i holds chunks i and 2·cp−1−i (zig-zag), which its sp peers split contiguously:
+`shard_positions` says which tokens of the row a rank holds, always in increasing order.
 
 What must stay true across the cut (`shard_batch`):
 - targets are shifted BEFORE the cut: the target of a shard's last token is the next shard's first token, which
   this rank never sees (the shard's labels are its targets: `Batch.shifted`);
-- rows are padded to a multiple of sp (padding, never refusal): the tail carries no target, and under causal
+- rows are padded to a multiple of sp, or 2·cp·sp (padding, never refusal): the tail carries no target, and under causal
   attention no real token sees it;
 - each shard keeps its rows' own position ids (packed rows restart per sample; unpacked rows count from 0 at the
   row's start, not the shard's), because rotary is applied before the exchange;
@@ -27,6 +29,25 @@ from llmtrain.models.fused_head import shifted_targets
 POSITION_IDS = "position_ids"
 
 
+def row_multiple(size: int, cp: int = 1) -> int:
+    """What a row's width must be a multiple of for `size` ranks sharing it, cp of them a ring: 2·cp·sp, or sp."""
+    return 2 * size if cp > 1 else size
+
+
+def shard_positions(width: int, rank: int, size: int, cp: int = 1) -> torch.Tensor:
+    """(width / size,) long: the row positions rank `rank` of the `size` ranks sharing each row (cp × sp, cp outer)
+    holds, increasing. cp 1: a contiguous shard; else cp rank i's chunks i and 2·cp−1−i, cut contiguously over sp."""
+    if cp == 1:
+        local = width // size
+        return torch.arange(rank * local, (rank + 1) * local)
+    from llmtrain.models.ring_attention import chunks_of
+
+    sp, chunk = size // cp, width // (2 * cp)
+    ring = torch.cat([torch.arange(a * chunk, (a + 1) * chunk) for a in chunks_of(rank // sp, cp)])  # (width/cp,)
+    local = ring.shape[0] // sp
+    return ring[rank % sp * local:(rank % sp + 1) * local]
+
+
 def pad_to_multiple(batch: Batch, sp: int, pad_token_id: int = 0) -> Batch:
     """(B, T) -> (B, ⌈T/sp⌉·sp): right padding that carries no loss (a packed row's tail is a segment of its own)."""
     extra = -batch.width % sp
@@ -43,40 +64,43 @@ def pad_to_multiple(batch: Batch, sp: int, pad_token_id: int = 0) -> Batch:
     return padded
 
 
-def shard_batch(batch: Batch, sp_rank: int, sp: int) -> Batch:
-    """This sp rank's shard of a padded batch (width a multiple of sp) whose attention inputs were built for the
-    whole rows (`for_attention`, on the host). Runs on the host: the target count needs no device sync."""
-    if batch.width % sp:
-        raise ValueError(f"shard_batch: width {batch.width} is not a multiple of sp={sp} (pad_to_multiple first)")
+def shard_batch(batch: Batch, sp_rank: int, sp: int, cp: int = 1) -> Batch:
+    """This rank's shard of a padded batch (width a multiple of `row_multiple(sp, cp)`) whose attention inputs were
+    built for the whole rows (`for_attention`, on the host); sp_rank / sp: this rank among the cp × sp ranks sharing
+    each row. Runs on the host: the target count needs no device sync."""
+    if batch.width % row_multiple(sp, cp):
+        raise ValueError(f"shard_batch: width {batch.width} is not a multiple of {'sp' if cp == 1 else '2·cp·sp'}="
+                         f"{row_multiple(sp, cp)} (pad_to_multiple first)")
     if batch.shifted:
         raise ValueError("shard_batch: the batch is already a shard")
     if isinstance(batch.attention_mask, torch.Tensor) and batch.attention_mask.dim() > 2:
         raise ValueError("shard_batch: a dense (B, 1, T, T) mask cannot follow its rows through the all-to-all; "
                          "sequence parallelism attends with sdpa_segments")
-    local = batch.width // sp
-    start, end = sp_rank * local, (sp_rank + 1) * local
-    targets = shifted_targets(batch.labels)[:, start:end]  # (B, T/sp): shifted on the whole row, then cut
+    index = shard_positions(batch.width, sp_rank, sp, cp)  # (T/sp,) increasing
+    targets = shifted_targets(batch.labels)[:, index]  # (B, T/sp): shifted on the whole row, then cut
     whole_positions = batch.position_ids if batch.position_ids is not None else \
         torch.arange(batch.width).expand(batch.input_ids.shape[0], -1)  # (B, T)
-    positions = whole_positions[:, start:end].contiguous()  # (B, T/sp)
+    positions = whole_positions[:, index].contiguous()  # (B, T/sp)
     kwargs = dict(batch.attention_kwargs)
     if batch.position_ids is None:  # unpacked: the shard's positions go in as a model argument, the batch stays
         kwargs[POSITION_IDS] = positions  # unpacked (no segment lengths needed)
-    return replace(batch, input_ids=batch.input_ids[:, start:end].contiguous(), labels=targets.contiguous(),
+    return replace(batch, input_ids=batch.input_ids[:, index].contiguous(), labels=targets.contiguous(),
                    attention_mask=None, position_ids=positions if batch.position_ids is not None else None,
                    num_targets=int((targets != IGNORE_INDEX).sum()), attention_kwargs=kwargs, shifted=True,
-                   row_lengths=tuple(min(max(length - start, 0), local) for length in batch.row_lengths))
+                   row_lengths=tuple(int((index < length).sum()) for length in batch.row_lengths))
 
 
-def sequence_preparer(attn_implementation: str, sp_rank: int, sp: int, group=None):
-    """Batch (host) -> this rank's shard with the whole rows' attention inputs: pad, for_attention, cut. A stage's
-    own batch type that holds more than rows (a pair batch: stages/pair_shard.py) cuts itself with its
-    `sequence_shard(attn_implementation, sp_rank, sp, group)`; `group`, the sp peers', is what it sums over."""
+def sequence_preparer(attn_implementation: str, sp_rank: int, sp: int, group=None, cp: int = 1):
+    """Batch (host) -> this rank's shard with the whole rows' attention inputs: pad, for_attention, cut (sp_rank / sp:
+    this rank among the cp × sp ranks sharing each row). A stage's own batch type that holds more than rows (a pair
+    batch: stages/pair_shard.py) cuts itself with its `sequence_shard(attn_implementation, sp_rank, sp, group, cp)`;
+    `group`, the peers sharing its rows, is what it sums over."""
 
     def prepare(batch):
         own = getattr(batch, "sequence_shard", None)
         if own is not None:
-            return own(attn_implementation, sp_rank, sp, group)
-        return shard_batch(pad_to_multiple(batch, sp).for_attention(attn_implementation), sp_rank, sp)
+            return own(attn_implementation, sp_rank, sp, group, cp)
+        padded = pad_to_multiple(batch, row_multiple(sp, cp))
+        return shard_batch(padded.for_attention(attn_implementation), sp_rank, sp, cp)
 
     return prepare

@@ -13,6 +13,9 @@ Pipeline stages (backend.pp > 1) send their hidden states forward and their grad
 torch.distributed.pipelining schedule takes the sends of a micro-batch from its stage's `get_fwd_send_ops` /
 `get_bwd_send_ops`, which are wrapped too while counting (kind `p2p`: the bytes this rank sends, payload = wire).
 
+Ring attention (backend.cp > 1) passes key/value blocks and their gradients point to point: every exchange goes
+through `models.ring_attention.exchange`, wrapped too while counting (kind `p2p`: the bytes of its sends).
+
 Per call: the payload (the whole tensor handed to it: an all-gather's output, a reduce-scatter's input, the
 all-reduced tensor) and the ring wire volume this rank sends: 2(g-1)/g of the payload for an all-reduce, (g-1)/g for
 the others (docs/formulas.md, "Collectives") — named apart, like metrics/cost.py's `Collective.payload` and `.wire`.
@@ -30,6 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "all_to_all", "p2p")
 PIPELINE_SENDS = ("get_fwd_send_ops", "get_bwd_send_ops")  # torch.distributed.pipelining's stage methods
+RING = "llmtrain.models.ring_attention"  # its `exchange(ops)`: ring attention's point-to-point sends
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str):
@@ -88,14 +92,36 @@ class CommCounter:
         """A pipeline stage's send-op getter, counting the bytes of the tensors it hands to isend."""
         def counted(stage, *args, **kwargs):
             ops = original(stage, *args, **kwargs)
-            sent = sum(_bytes(op.tensor) for op in ops)
-            self.payload["p2p"] += sent
-            self.wire["p2p"] += sent
-            self.calls["p2p"] += len(ops)
+            self._count_sends(sum(_bytes(op.tensor) for op in ops), len(ops))
             return ops
 
         counted.__wrapped__ = original
         return counted
+
+    def _count_sends(self, sent: int, calls: int) -> None:
+        self.payload["p2p"] += sent
+        self.wire["p2p"] += sent
+        self.calls["p2p"] += calls
+
+    @contextlib.contextmanager
+    def _counting_ring(self):
+        """Wrap ring attention's exchange for the block (when it is loaded: else no run sends through it)."""
+        module = sys.modules.get(RING)
+        if module is None:
+            yield
+            return
+        original = module.exchange
+
+        def counted(ops):
+            sends = [op for op in ops if op.op.__name__ == "isend"]
+            self._count_sends(sum(_bytes(op.tensor) for op in sends), len(sends))
+            return original(ops)
+
+        try:
+            module.exchange = counted
+            yield
+        finally:
+            module.exchange = original
 
     @contextlib.contextmanager
     def _counting_sends(self):
@@ -123,7 +149,7 @@ class CommCounter:
         try:
             for module, name in saved:
                 setattr(module, name, self._wrap(name, originals[name]))
-            with self._counting_sends():
+            with self._counting_sends(), self._counting_ring():
                 yield self
         finally:
             for (module, name), function in saved.items():

@@ -27,6 +27,7 @@ class Layout:
     dp: int
     tp: int = 1
     sp: int = 1  # sequence-parallel peers: share each row (s/sp tokens each), hold the same weights as dp peers
+    cp: int = 1  # context-parallel peers (ring attention): share each row as sp peers do
     ep: int = 1  # expert-parallel peers: each holds E/ep experts (carved from dp_shard × tp: dp unchanged)
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (FSDP2 cpu_offload: cpu)
@@ -37,8 +38,13 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks a ZeRO / FSDP backend shards over and reduces gradients across: dp × sp."""
-        return self.dp * self.sp
+        """Ranks a ZeRO / FSDP backend shards over and reduces gradients across: dp × cp × sp."""
+        return self.dp * self.sp * self.cp
+
+    @property
+    def row_split(self) -> int:
+        """Ranks sharing each row, s/(cp·sp) tokens each: context × sequence parallel."""
+        return self.cp * self.sp
 
     @property
     def efsdp(self) -> int:
@@ -59,6 +65,7 @@ class RoleParams:
     block_fraction: float = 1.0  # share of the (non-expert) parameters in decoder blocks (FSDP2 reshards those)
     expert_fraction: float = 0.0  # share in routed experts split over ep (0 without ep; then tp_fraction has them)
     optim_floats: float = 2.0  # fp32 optimizer-state values per trainable parameter (Adam 2; Muon 1 on its matrices)
+    muon_fraction: float = 0.0  # share of the trainable parameters optim=muon updates (gathered whole each step)
 
 
 @dataclass(frozen=True)
@@ -188,6 +195,17 @@ class Collective:
         if self.kind == "p2p":
             return self.payload * self.times
         return (2 if self.kind == "all_reduce" else 1) * (self.group - 1) / self.group * self.payload * self.times
+
+
+def muon_gathers(role: RoleParams, ranks: int) -> list[Collective]:
+    """optim=muon's all-gather of one optimizer step: the fp32 update of every matrix it updates (`muon_fraction` of
+    the trainable parameters), gathered whole from the `ranks` holding its pieces (ZeRO-1/2: the flat Muon group at
+    once; ZeRO-3 and FSDP2: matrix by matrix, over dp × tp); every rank then runs Newton–Schulz on each whole matrix
+    (compute is not split). DDP and ZeRO-0 hold them whole: none. The optimizer step waits on it: not overlapped."""
+    if ranks <= 1 or not role.muon_fraction:
+        return []
+    return [Collective("Muon updates, whole matrices", "all_gather", 4 * role.trainable * role.muon_fraction, ranks,
+                       overlapped=False)]
 
 
 def communication(role: RoleParams, layout: Layout, precision: str, *, accum: int, tokens_per_micro: int,

@@ -50,34 +50,21 @@ def expert_paths(arch: Any) -> list[str]:
     return [path for path, style in (getattr(arch, "base_model_ep_plan", None) or {}).items() if style == EP_STYLE]
 
 
-def ep_problems(arch: Any, ep: int, tp: int = 1, dp_shard: int = 1, lora_targets: tuple[str, ...] = ()) -> list[str]:
-    """Why this model cannot run at backend.ep=ep (empty: it can), before any weight loads."""
+def ep_problems(arch: Any, ep: int, tp: int = 1) -> list[str]:
+    """Why this model cannot split its experts over backend.ep=ep ranks (empty: it can), before any weight loads. The
+    degrees' own rules (ep a multiple of tp, dividing dp_shard × tp) are parallel/ep.py's; LoRA's, lora_checks'."""
     from llmtrain.models.moe import expert_count
 
-    if ep == 1:
+    if ep <= 1:
         return []
-    if ep < 1:
-        return [f"backend.ep={ep} must be >= 1"]
     experts, name = expert_count(arch), getattr(arch, "model_type", type(arch).__name__)
     if not experts or not expert_paths(arch):
         return [f"backend.ep={ep}: {name} is a dense model (no routed experts in its base_model_ep_plan), so there "
                 f"are no experts to split; {FIX}"]
-    problems = []
     if experts % ep:
-        problems.append(f"backend.ep={ep} must divide the model's {experts} experts ({name}: each ep rank holds "
-                        f"experts/ep whole experts); pick backend.ep among {_multiples_dividing(tp, experts)}")
-    if ep % tp:
-        problems.append(f"backend.ep={ep} must be a multiple of backend.tp={tp} (an ep group holds whole tp groups); "
-                        f"pick backend.ep among {_multiples_dividing(tp, experts)}")
-    elif (dp_shard * tp) % ep:
-        problems.append(f"backend.ep={ep} must divide backend.dp_shard={dp_shard} × backend.tp={tp} = {dp_shard * tp} "
-                        "(ep is carved from those ranks: efsdp = dp_shard·tp/ep); change backend.ep or "
-                        "backend.dp_shard")
-    expert_targets = [t for t in lora_targets if t in ("experts", "gate_up_proj") or t.endswith(".experts")]
-    if expert_targets:
-        problems.append(f"backend.ep={ep} with LoRA on the experts (peft.target_modules {expert_targets}) has no "
-                        f"tested path; target the attention / dense layers only, or {FIX}")
-    return problems
+        return [f"backend.ep={ep} must divide the model's {experts} experts ({name}: each ep rank holds "
+                f"experts/ep whole experts); pick backend.ep among {_multiples_dividing(tp, experts)}"]
+    return []
 
 
 def _multiples_dividing(tp: int, experts: int) -> list[int]:

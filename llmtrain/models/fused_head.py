@@ -44,6 +44,17 @@ SCALE_FIELDS = {"logit_scale": 1, "logits_scaling": -1}
 PROBE = 2.0  # what the scale fields make the model multiply by on a head's first query (exact in every float format)
 
 
+def head_is_fused(fused_loss: str, vocab: int, hidden: int) -> bool:
+    """model.fused_loss -> whether the LM head and loss run fused. `auto` fuses where the full logits' peak, 12·V bytes
+    a token (fp32 logits, their log-softmax and its gradient), outweighs two decoder layers' activations, 2 × 34·h
+    (Korthikanti's 16-bit count without the attention scores): V > 5.7·h. Llama 2 and 3, Mistral, Qwen and Gemma fuse;
+    a small vocabulary (the tiny recipes' 263 at h 128) keeps full logits, which cost nothing there and run faster than
+    the chunked path's extra kernels (benchmarks/vocab.py shows both ends)."""
+    if fused_loss == "auto":
+        return 12 * vocab > 2 * 34 * hidden
+    return fused_loss != "off"
+
+
 def default_chunk_tokens(vocab: int, hidden: int) -> int:
     """Chunk rows so that one chunk's fp32 logits (c·V·4 bytes) are 32 KiB per hidden unit, and at least 128 MiB (a
     narrow model's chunks would otherwise be too short for an efficient matmul): Llama 3 8B 256 tokens, 128 MiB, as

@@ -1,5 +1,6 @@
 """What `optim.name` means to the rest of the program, in pure Python (no torch): the Muon settings the builder
-takes, the config checks, and the planner's figures (optimizer-state bytes per parameter, the Muon gather)."""
+takes, the config checks, and the planner's optimizer-state bytes per parameter (Muon's gather:
+metrics/cost.muon_gathers)."""
 
 from __future__ import annotations
 
@@ -92,13 +93,3 @@ def optimizer_state_bytes(name: str, params: float, muon_params: float = 0.0, sh
     Muon, the state split over `shards` ranks (ZeRO-1/2/3, FSDP2: dp; DDP: 1)."""
     share = muon_params / params if params else 0.0
     return 4.0 * state_floats_per_param(name, share) * params / shards
-
-
-def muon_gather_bytes(muon_params: float, shards: int, *, dtype_bytes: int = 4, per_matrix: bool = True) -> float:
-    """Bytes one rank RECEIVES per optimizer step to see each Muon matrix whole: the Nesterov update (fp32) of
-    every matrix, all-gathered from the `shards` ranks holding its pieces ((shards-1)/shards of it arrives).
-    `per_matrix` False: ZeRO-1/2, where a rank gathers its whole flat Muon group, the same bytes. DDP (shards 1): 0.
-    Every rank then runs the Newton-Schulz iteration on the whole matrix (compute is not split)."""
-    if shards <= 1:
-        return 0.0
-    return dtype_bytes * muon_params * (shards - 1) / shards

@@ -1,7 +1,7 @@
 """The layout of a run: parallel dimensions (one module each, registered in dimension.py) and ParallelDims, the only
 reader of their degrees. The process group's lifecycle lives apart (llmtrain/distributed.py)."""
 
-from llmtrain.parallel import dp, ep, pp, sp, tp  # noqa: F401  (registers the dimensions)
+from llmtrain.parallel import cp, dp, ep, pp, sp, tp  # noqa: F401  (registers the dimensions)
 from llmtrain.parallel.dimension import (
     DIMENSIONS,
     PLANNED,

@@ -1,4 +1,5 @@
-"""A parallel dimension is one module (parallel/dp.py, tp.py, sp.py, pp.py, ep.py), registered here as stages are.
+"""A parallel dimension is one module (parallel/dp.py, tp.py, sp.py, cp.py, pp.py, ep.py), registered here as stages
+are.
 
 A `Dimension` says everything the rest of the program asks about one degree: its field (`backend.<name>`), where it
 sits in the device mesh, whether its ranks read the same examples (then it divides the data-parallel size) or it is
@@ -24,7 +25,8 @@ class Dimension:
     name: str  # the degree's field, backend.<name>, and its mesh dimension's name
     position: int | None  # place in the world mesh, outermost first; None: carved out of others (`carved_from`)
     default: int = 1  # the degree of a backend without the field
-    same_data: bool = False  # its ranks read the same examples: it divides the data-parallel size (tp, sp, pp)
+    same_data: bool = False  # its ranks read the same examples: it divides the data-parallel size (tp, sp, cp, pp)
+    shares_rows: bool = False  # its ranks hold other tokens of the same rows (sp, cp): their sums add up (layout.py)
     carved_from: tuple[str, ...] = ()  # ep: a regrouping of these dimensions' ranks, not a factor of the world
     # (backend cfg, degrees {name: degree}) -> problems of the degrees and the dimension's own fields
     problems: Callable[[Any, dict], list[str]] | None = None
@@ -53,8 +55,8 @@ DIMENSIONS: dict[str, Dimension] = {}
 # The order dimensions apply to the model (module docstring): names of DIMENSIONS, then the backend's own steps.
 APPLY_ORDER = ("tp", "sp", "cp", "ep")
 
-# Dimensions no backend has yet: named, so `backend.cp=2` gets a message that says so.
-PLANNED = {"cp": "context parallelism"}
+# Dimensions no backend has yet: named, so `backend.<name>=2` gets a message that says so.
+PLANNED: dict[str, str] = {}
 
 
 def register(dimension: Dimension) -> Dimension:

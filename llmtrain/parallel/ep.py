@@ -44,7 +44,7 @@ def arch_problems(backend: Any, dims: Any, arch: Any) -> list[str]:
     """A model with routed experts in its ep plan, their count divisible by ep (models/expert_parallel.py)."""
     from llmtrain.models.expert_parallel import ep_problems
 
-    return ep_problems(arch, dims.ep, dims.tp, dims.dp_shard)
+    return ep_problems(arch, dims.ep, dims.tp)
 
 
 def facts_problems(backend: Any, dims: Any, facts: Any) -> list[str]:

@@ -1,6 +1,6 @@
 """ParallelDims: how a run's world splits over the registered dimensions (parallel/dimension.py), and its meshes.
 
-world = pp × dp_replicate × dp_shard × sp × tp (the dimensions with a mesh position, outermost first: tp innermost,
+world = pp × dp_replicate × dp_shard × cp × sp × tp (the dimensions with a mesh position, outermost first: tp innermost,
 so tensor-parallel peers are adjacent ranks, on a node NVLink). Carved dimensions (ep) regroup some of these ranks
 and leave the world's product alone. The data-parallel size (ranks that read different examples) is derived here
 only: dp_replicate × dp_shard. Every error prints every degree.
@@ -146,40 +146,53 @@ class ParallelDims:
         return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
 
     @property
+    def row_dim_names(self) -> tuple[str, ...]:
+        """The set dimensions whose ranks hold other tokens of the same rows (cp, sp; outermost first)."""
+        return tuple(d.name for d in mesh_order() if d.shares_rows and getattr(self, d.name) > 1)
+
+    @property
+    def row_size(self) -> int:
+        """Ranks that share each row: cp × sp."""
+        return prod(getattr(self, n) for n in self.row_dim_names)
+
+    @property
     def fsdp_dim_names(self) -> tuple[str, ...]:
-        """What fully_shard shards over: dp_dim_names, with sp folded into dp_shard (sp peers hold the same weights
-        and sum their gradients, as dp peers do)."""
-        if self.sp == 1:
+        """What fully_shard shards over: dp_dim_names, with cp and sp folded into dp_shard (their peers hold the same
+        weights and sum their gradients, as dp peers do)."""
+        if not self.row_dim_names:
             return self.dp_dim_names
-        return ("dp_replicate", "dp_shard_sp") if self.dp_replicate > 1 else ("dp_shard_sp",)
+        shard = "_".join(("dp_shard", *self.row_dim_names))
+        return ("dp_replicate", shard) if self.dp_replicate > 1 else (shard,)
 
     def data_parallel(self, rank: int) -> tuple[int, int, object]:
         """(dp_rank, dp_size, dp_group) of this rank: which examples it reads, among how many ranks, and the group
         its loss and token sums are reduced over. Every rank its own data (no tp, no replicas): the world (group
-        None), no mesh needed; otherwise the "dp" mesh. With sp the sums are reduced over the sp peers too (each
+        None), no mesh needed; otherwise the "dp" mesh. With cp or sp the sums are reduced over their peers too (each
         holds other tokens of the same rows): the "loss" group (`loss_group`)."""
         if self.dp_size == self.world_size and self.dp_replicate == 1:
             return rank, self.world_size, None
         mesh = self.mesh("dp")
-        return mesh.get_local_rank(), mesh.size(), self.loss_group() if self.sp > 1 else mesh.get_group()
+        return mesh.get_local_rank(), mesh.size(), self.loss_group() if self.row_size > 1 else mesh.get_group()
 
     def loss_group(self):
-        """Ranks whose loss and token sums add up to the global batch's: dp × sp (None: the world, when no tp)."""
+        """Ranks whose loss and token sums add up to the global batch's: dp × cp × sp (None: the world, when no tp)."""
         if self.tp == 1:
             return None
         return self.mesh("loss").get_group()
 
     def sequence_parallel(self) -> tuple[int, int, object]:
-        """(sp_rank, sp_size, sp_group): this rank's shard of each row, among how many, and the all-to-all group."""
-        if self.sp == 1:
+        """(rank, size, group) of the ranks that share each row (cp × sp): this rank's shard of each row, among how
+        many, and the group its per-sequence sums are summed over (pair stages)."""
+        if self.row_size == 1:
             return 0, 1, None
-        mesh = self.mesh("sp")
+        mesh = self.mesh("rows")
         return mesh.get_local_rank(), mesh.size(), mesh.get_group()
 
     def mesh(self, name: str):
         """A device mesh by name, from the world mesh built once: "world"; a dimension's own ("dp_shard" always, the
         others when > 1); "dp" (ranks that read different data); "fsdp" (what fully_shard shards over); and the views
-        each dimension adds (`Dimension.meshes`: "dp_shard_tp", "dp_shard_sp", "loss", "ep", "efsdp", ...)."""
+        each dimension adds (`Dimension.meshes`: "dp_shard_tp", "ep", "efsdp", ...; with cp or sp: "rows",
+        "dp_shard_sp" / "dp_shard_cp" / "dp_shard_cp_sp", "loss")."""
         if name not in self._meshes:
             self._meshes[name] = self._make_mesh(name)
         return self._meshes[name]
@@ -212,7 +225,19 @@ class ParallelDims:
         for dim in DIMENSIONS.values():
             if dim.meshes is not None and getattr(self, dim.name) > 1:
                 self._meshes.update(dim.meshes(mesh, self))
+        if self.row_dim_names:
+            self._meshes.update(self._row_views(mesh))
         return mesh
+
+    def _row_views(self, world) -> dict:
+        """"rows" (the ranks that share each row: cp × sp), "dp_shard_<cp>_<sp>" (what fully_shard shards over) and
+        "loss" (dp × cp × sp: the ranks whose loss and token sums add up to the global batch's)."""
+        rows = self.row_dim_names
+        views = {"rows": world[rows] if len(rows) == 1 else world[rows]._flatten("rows")}
+        shard = "_".join(("dp_shard", *rows))
+        views[shard] = world[("dp_shard", *rows)]._flatten(shard)
+        views["loss"] = world[(*self.dp_dim_names, *rows)]._flatten("loss")
+        return views
 
     def __str__(self) -> str:
         layout = shown_degrees(self.degrees, "{name} {degree}")

@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism (`backend.sp`, models/ulysses.py): sp peers share one sequence, s/sp tokens each, and
 exchange all of it in each attention's all-to-alls (4 per layer): more traffic than dp's once-a-step gradients, less
-than tp's, so it sits between dp_shard and tp in the mesh. sp peers hold the same weights (fully_shard folds them
-into dp_shard) and read the same examples. The attention wrapper itself is applied where attention is resolved
-(models/attention.py, sequence_parallel.py)."""
+than tp's, so it sits between cp and tp in the mesh. sp peers hold the same weights (fully_shard folds them into
+dp_shard: ParallelDims' row views) and read the same examples. The attention wrapper itself is applied where attention
+is resolved (models/attention.py, sequence_parallel.py)."""
 
 from __future__ import annotations
 
@@ -52,13 +52,6 @@ def plan_line(st: Any, row: Any) -> str:
             "and logits at s/sp; 4 all-to-alls per layer)")
 
 
-def _views(world, dims) -> dict:
-    """"dp_shard_sp" (what fully_shard shards over: sp peers hold the same weights) and "loss" (dp × sp: the ranks
-    whose loss and token sums add up to the global batch's)."""
-    return {"dp_shard_sp": world[("dp_shard", "sp")]._flatten("dp_shard_sp"),
-            "loss": world[(*dims.dp_dim_names, "sp")]._flatten("loss")}
-
-
-SP = register(Dimension(name="sp", position=30, same_data=True,
-                        problems=problems, arch_problems=arch_problems, facts_problems=facts_problems, meshes=_views,
+SP = register(Dimension(name="sp", position=30, same_data=True, shares_rows=True,
+                        problems=problems, arch_problems=arch_problems, facts_problems=facts_problems,
                         collectives=collectives, plan_line=plan_line))

@@ -32,7 +32,7 @@ from llmtrain.metrics.flops import training_flops_per_token
 from llmtrain.metrics.live import PipelineRankFigures, PlanFigures
 from llmtrain.metrics.memory import planned_model_state_bytes
 from llmtrain.models.facts import ModelFacts, lora_trainable
-from llmtrain.models.fused_head import default_chunk_tokens
+from llmtrain.models.fused_head import default_chunk_tokens, head_is_fused
 from llmtrain.optim.spec import state_floats_per_param
 from llmtrain.parallel.dimension import dimension_collectives
 from llmtrain.plan.pp import (
@@ -49,7 +49,8 @@ USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets,
 
 
 def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, view: bool = False,
-                scalar_head: bool = False, head_split: int = 1, optim_floats: float = 2.0) -> RoleParams:
+                scalar_head: bool = False, head_split: int = 1, optim_floats: float = 2.0,
+                muon_share: float = 0.0) -> RoleParams:
     """(trainable, frozen) of one role: all of it, a LoRA split (adapters trainable, base frozen), or frozen; a view
     (LoRA's reference: the policy with adapters disabled) holds nothing of its own; a scalar head (reward model,
     critic) replaces an untied LM head with a (1, hidden) score. head_split > 1: the LM head's rows are split over
@@ -68,6 +69,7 @@ def role_params(facts: ModelFacts, layout: Layout, trainable: bool, lora: int, v
     return RoleParams(trainable=t, frozen=f, persistent=persistent,
                       tp_fraction=(tp_params - min(experts, facts.tp_expert_params)) / facts.params, working=working,
                       regathered=regathered, expert_fraction=experts / facts.params, optim_floats=optim_floats,
+                      muon_fraction=muon_share if t else 0.0,
                       block_fraction=(facts.layers * facts.block - experts) / (facts.params - experts))
 
 
@@ -115,6 +117,7 @@ class Setting:
     logits_vocab: int  # V, or 1 for a reward model's score
     head_chunk: int | None = None  # the fused LM head's chunk tokens (model.fused_loss); None: full logits
     optim_floats: float = 2.0  # fp32 optimizer-state values per trainable parameter (optim/spec.py: Adam 2, Muon 1)
+    muon_share: float = 0.0  # share of the trainable parameters optim=muon updates (0: AdamW, or LoRA's adapters)
     head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT, RL's token loss): gradients held
     head_positions: int | None = None  # positions per row through the LM head (RL: the A + 1 response ones); None: all
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
@@ -145,7 +148,7 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     rows, elem = b * st.rows_per_sample, 2 if st.precision in ("bf16", "fp16") else 4
     f = st.facts
     trainable = sum(st.roles.values())
-    seq = -(-st.seq // layout.sp)  # sequence parallelism: each rank's shard of every row
+    seq = -(-st.seq // layout.row_split)  # context / sequence parallelism: each rank's shard of every row
     act = activation_bytes(rows, seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
                            tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.mlp_width, kv_heads=f.kv_heads,
                            softcapping=f.softcapping)
@@ -202,7 +205,7 @@ def _role_states(st: Setting, layout: Layout) -> tuple[dict, dict]:
     """({role: (RoleParams, trainable)}, {role: StateBytes}) of every role on this layout."""
     f, on_gpu = st.facts, st.gpu.name != "cpu"
     params = {role: (role_params(f, layout, trainable, st.lora, role in st.views, role in st.scalar_heads,
-                                 vocab_split(st, layout, role), st.optim_floats), trainable)
+                                 vocab_split(st, layout, role), st.optim_floats, st.muon_share), trainable)
               for role, trainable in st.roles.items()}
     return params, {role: state_bytes(p, layout, st.precision, st.accum, on_gpu) for role, (p, _) in params.items()}
 
@@ -214,7 +217,7 @@ def plan_row(st: Setting, layout: Layout) -> Row:
     act, logit = _per_micro(st, layout, st.micro)
     usable = st.gpu.memory_gib * GIB * USABLE
     device = fixed + act + logit
-    tokens = st.micro * -(-st.seq // layout.sp) * st.rows_per_sample  # this rank's: s/sp of each row
+    tokens = st.micro * -(-st.seq // layout.row_split) * st.rows_per_sample  # this rank's: s/(cp·sp) of each row
     shape = dict(tokens_per_micro=tokens, hidden=f.hidden, layers=f.layers, checkpointing=st.checkpointing,
                  on_gpu=on_gpu)
     if st.rl is not None:
@@ -284,6 +287,7 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
     scalar_heads = frozenset(role for role, r in roles.items() if r.head == "scalar")
     trainable_scalar = all(r.head == "scalar" for r in roles.values() if r.trainable)
     rl = spec.rl_shape(cfg) if spec.rl_shape else None
+    muon_share = facts.muon_params / facts.params if cfg.optim.name == "muon" and not lora else 0.0
     return Setting(facts=facts, roles={role: r.trainable for role, r in roles.items()}, scalar_heads=scalar_heads,
                    lora=lora, views=views, precision=precision, gpu=gpu, world=world,
                    micro=cfg.trainer.micro_batch_size, accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
@@ -292,13 +296,12 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
                    rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
                    head_loss_sum=spec.token_losses or bool(rl and rl.token_loss),
                    head_positions=rl.max_new_tokens + 1 if rl else None,
-                   optim_floats=state_floats_per_param(cfg.optim.name,
-                                                       0.0 if lora else facts.muon_params / facts.params))
+                   optim_floats=state_floats_per_param(cfg.optim.name, muon_share), muon_share=muon_share)
 
 
 def planned_head_chunk(m, facts: ModelFacts) -> int | None:
     """model.fused_loss / loss_chunk_tokens -> the fused head's chunk tokens; None: full logits."""
-    if m.fused_loss == "off":
+    if not head_is_fused(m.fused_loss, facts.vocab, facts.hidden):
         return None
     return m.loss_chunk_tokens or default_chunk_tokens(facts.vocab, facts.hidden)
 

@@ -224,7 +224,8 @@ def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[
             lines.append(f"{layout.name}: not even data.max_seq_len={layout.sp} fits at micro-batch 1 (the model "
                          "states alone are too much)")
             continue
-        per_rank = f" (sp {layout.sp}: {-(-longest // layout.sp):,} tokens of each row per rank)" if layout.sp > 1 \
+        split = " × ".join(f"{name} {degree}" for name, degree in (("cp", layout.cp), ("sp", layout.sp)) if degree > 1)
+        per_rank = f" ({split}: {-(-longest // layout.row_split):,} tokens of each row per rank)" if split \
             else " (no sp)" if sp > 1 else ""
         at_least = "at least " if longest >= SEQ_SEARCH_LIMIT else ""
         lines.append(f"{layout.name}: longest data.max_seq_len that fits at micro-batch 1: {at_least}{longest:,}"
@@ -291,7 +292,7 @@ def plan_run(cfg: DictConfig, world: int, device, precision: str) -> RunPlan:
              f"{human(training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq), 'FLOP')} per token "
              f"at s={st.seq}",
              f"model states ({precision} Adam, {cfg.backend.name}, sharding as ZeRO stage {stage}, dp {dp}"
-             f"{f' × sp {layout.sp}' if layout.sp > 1 else ''}"
+             f"{f' × cp {layout.cp}' if layout.cp > 1 else ''}{f' × sp {layout.sp}' if layout.sp > 1 else ''}"
              f"{'' if not st.lora else f'; LoRA: {st.lora:,} trainable, the base as weights only'}) ≈ "
              f"{human(state, 'B', 1024)} per rank per trainable role (activations not included)",
              roles_summary(st, row), batch_arithmetic(cfg, world),

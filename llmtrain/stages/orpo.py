@@ -41,8 +41,8 @@ class ORPOConfig:
 class ORPOPairBatch(PairBatch):
     num_chosen_targets: int = 0  # target tokens of the chosen responses (0 for filler pairs), counted on the host
 
-    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group) -> ORPOPairBatch:
-        shard = super().sequence_shard(attn_implementation, sp_rank, sp, group)
+    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group, cp: int = 1) -> ORPOPairBatch:
+        shard = super().sequence_shard(attn_implementation, sp_rank, sp, group, cp)
         return replace(shard, num_chosen_targets=self.num_chosen_targets if shard.share else 0)  # counted once
 
 

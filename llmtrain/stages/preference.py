@@ -91,9 +91,9 @@ class PairBatch:
         pairs = pairs or self.margin.shape[0]
         return (1, 2 * pairs * seq_len) if self.rows.is_packed else (2 * pairs, seq_len)
 
-    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group) -> PairBatch:
-        """This sp rank's shard (data/sequence_shard.sequence_preparer calls it; stages/pair_shard.py)."""
-        return shard_pairs(self, attn_implementation, sp_rank, sp, group)
+    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group, cp: int = 1) -> PairBatch:
+        """This rank's shard (data/sequence_shard.sequence_preparer calls it; stages/pair_shard.py)."""
+        return shard_pairs(self, attn_implementation, sp_rank, sp, group, cp)
 
     def target_owners(self) -> torch.Tensor:
         """(R, T) long: the sequence of the token each position predicts (-1: none), aligned with rows.targets()."""

@@ -43,12 +43,14 @@ def decide_attention(cfg, resolved: str, for_family) -> str:
     `resolved`: model.attn_implementation resolved for the device (models/load.resolve_attn_implementation, or the
     planner's pick for a planned GPU); `for_family(attn) -> attn`: what each role's class runs instead where it lacks
     it (the run: models/load.attention_for_family on the roles' configs; the planner: the meta model's facts).
-    In order: Ulysses (backend.sp > 1) exchanges around sdpa_segments; the family's support; the stage's own need
+    In order: Ulysses (backend.sp > 1) exchanges around sdpa_segments, ring attention (backend.cp > 1) stands for
+    it; the family's support; the stage's own need
     (PPO's left-padded rollouts read a padding mask: StageSpec.attention), checked against the family again."""
     from llmtrain.models.attention import SEGMENT_ATTENTION
     from llmtrain.parallel import degree_of
 
-    attn = for_family(SEGMENT_ATTENTION if degree_of(cfg.backend, "sp") > 1 else resolved)
+    shared = degree_of(cfg.backend, "sp") > 1 or degree_of(cfg.backend, "cp") > 1
+    attn = for_family(SEGMENT_ATTENTION if shared else resolved)
     adjust = stage_spec(cfg.stage.name).attention
     return attn if adjust is None else for_family(adjust(cfg, attn))
 

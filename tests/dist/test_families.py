@@ -34,13 +34,14 @@ BACKENDS = {"ddp": [], "zero3": ["backend=zero3"], "fsdp2": ["backend=fsdp2"]}
 # micro-batches of a non-linear function of each, is then compared on the same ones
 TP_LAYOUTS = {"dp1": (1, ["trainer.micro_batch_size=4"]),
               "tp2": (2, ["trainer.micro_batch_size=4", "backend=fsdp2_tp"])}
-# The LM head under tp (models/vocab_parallel.py): one step of a Llama's SFT (the summed loss, gradients computed in
-# the forward) and DPO (per-token log-probs, recomputed in backward), appended to the TP_LAYOUTS launches. The
-# reference: one process with full logits (model.fused_loss=off). tp2: the fused head split over the vocabulary, and
-# fused_loss=off (the head replicated over tp). Adam's first update is lr·g/(|g| + eps): with eps 1, lr 1, no warm-up
-# and no clipping it is g/(|g| + 1), nearly the gradient itself, so the weights after the step show every gradient
-# entry's difference (with eps 1e-8 the update is ±lr wherever |g| >> 1e-8 and shows nothing, while entries of
-# |g| ~ 1e-8 amplify rounding: one process's fused and unfused heads differ by 5e-5 of a weight's scale, 2 steps).
+# The LM head under tp (models/vocab_parallel.py): one step of a Llama's SFT (the summed loss, gradients computed in the
+# forward) and DPO (per-token log-probs, recomputed in backward), appended to the TP_LAYOUTS launches. The reference:
+# one process with full logits (model.fused_loss=off). tp2: the fused head (model.fused_loss=chunked: auto keeps full
+# logits at V 263) split over the vocabulary, and fused_loss=off (the head replicated over tp). Adam's first update is
+# lr·g/(|g| + eps): with eps 1, lr 1, no warm-up and no clipping it is g/(|g| + 1), nearly the gradient itself, so the
+# weights after the step show every gradient entry's difference (with eps 1e-8 the update is ±lr wherever |g| >> 1e-8
+# and shows nothing, while entries of |g| ~ 1e-8 amplify rounding: one process's fused and unfused heads differ by 5e-5
+# of a weight's scale, 2 steps).
 HEAD_STEP = ["trainer.max_steps=1", "optim.lr=1.0", "optim.eps=1.0", "optim.warmup_steps=0", "optim.max_grad_norm=0"]
 HEAD_STAGES = {"sft": PARITY, "dpo": ["recipe=dpo_tiny", "trainer.micro_batch_size=4", "trainer.grad_accum_steps=2",
                                       *QUIET]}
@@ -51,7 +52,8 @@ HEAD_STAGES = {"sft": PARITY, "dpo": ["recipe=dpo_tiny", "trainer.micro_batch_si
 EP = ["backend=fsdp2", "backend.ep=2"]
 EP_SAVED = [*PARITY, "trainer.max_steps=4", "trainer.save_every_n_steps=2", *EP]
 HEAD_RUNS = {"dp1": [("sft_off", "sft", ["model.fused_loss=off"]), ("dpo_off", "dpo", ["model.fused_loss=off"])],
-             "tp2": [("sft", "sft", ["backend=fsdp2_tp"]), ("dpo", "dpo", ["backend=fsdp2_tp"]),
+             "tp2": [("sft", "sft", ["backend=fsdp2_tp", "model.fused_loss=chunked"]),
+                     ("dpo", "dpo", ["backend=fsdp2_tp", "model.fused_loss=chunked"]),
                      ("sft_off", "sft", ["backend=fsdp2_tp", "model.fused_loss=off"])]}
 
 

@@ -74,12 +74,13 @@ def test_capabilities_and_layouts():
                                         "backend deepspeed has: name, zero_stage,"),
     (["backend.sp=2"], "config: backend.sp is a field of the deepspeed backend (backend=deepspeed/zero0/zero1/zero2/"
                        "zero3/zero3_offload) and the fsdp2 backend (backend=fsdp2/fsdp2_tp); backend ddp has: name"),
-    (["backend.cp=2"], "config: backend.cp: no backend has context parallelism yet (the layout's dimensions: "
-                       "pp × dp_replicate × dp_shard × sp × tp; ep from dp_shard × tp); backend ddp has: name"),
+    (["backend.cp=2"], "config: backend.cp is a field of the deepspeed backend (backend=deepspeed/zero0/zero1/zero2/"
+                       "zero3/zero3_offload) and the fsdp2 backend (backend=fsdp2/fsdp2_tp) (DDP keeps whole rows on "
+                       "every rank); backend ddp has: name"),
     (["backend=zero3", "backend.ep=2"], "config: backend.ep is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp) "
                                         "(DeepSpeed's MoE layer is not transformers' experts module"),
     (["backend=fsdp2", "backend.bogus=1"], "backend.bogus is not a field of any backend (ddp, deepspeed, fsdp2); "
-                                           "backend fsdp2 has: name, dp_replicate, dp_shard, sp, ep, tp,"),
+                                           "backend fsdp2 has: name, dp_replicate, dp_shard, sp, cp, ep, tp,"),
 ])
 def test_a_key_of_another_backend_is_named_with_its_backend(overrides, needle):
     with pytest.raises(ConfigError) as error:
@@ -114,7 +115,7 @@ def test_spec_of_a_plain_node_is_the_one_it_names():
 def test_parallel_dims_hands_out_meshes_by_name_only_with_a_device():
     flat = ParallelDims.build(4)
     assert flat.data_parallel(rank=3) == (3, 4, None)  # every rank its own data: the world, no mesh built
-    assert flat.degrees == {"dp_replicate": 1, "dp_shard": 4, "ep": 1, "pp": 1, "sp": 1, "tp": 1}
+    assert flat.degrees == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "ep": 1, "pp": 1, "sp": 1, "tp": 1}
     with pytest.raises(ValueError, match="no device type"):
         ParallelDims.build(4, tp=2).mesh("tp")
     assert ParallelDims.build(4, tp=2).on("cpu") == ParallelDims.build(4, "cpu", tp=2)

@@ -1,5 +1,5 @@
 """The command-line contract: `--help`, the tiny model groups, and `model.from_config` = model_type plus the fields
-of that transformers config class (README "Command line")."""
+of that transformers config class (docs/guide/cli.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_help_lists_recipes_groups_options_and_where_the_fields_are(flag, capsys
     for group in (p for p in conf_dir().iterdir() if p.is_dir()):
         line = next(line for line in out.splitlines() if line.startswith(f"  {group.name} "))
         assert all(option.stem in line for option in group.glob("*.yaml")), line
-    assert 'README.md, section "Command line"' in out
+    assert "docs/reference/config.md" in out and "docs/guide/cli.md" in out  # pages tests/unit/test_docs.py checks
     assert main(["recipe=sft_tiny", flag, "trainer.max_steps=3"]) == 0  # anywhere on the line
 
 

@@ -167,7 +167,7 @@ def test_recipe_from_a_path(tmp_path: Path):
     ("beta=1", "did you mean dpo.beta or simpo.beta or orpo.beta or kto.beta?"),
     ("backend.zero_stage=2", "backend.zero_stage is a field of the deepspeed backend (backend=deepspeed/zero0"),
     ("backend.pp=2", "backend.pp is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp)"),
-    ("backend.cp=2", "backend.cp: no backend has context parallelism yet"),
+    ("backend.cp=2", "backend.cp is a field of the deepspeed backend (backend=deepspeed/zero0"),
 ])
 def test_an_unknown_or_misplaced_key_gets_the_projects_message(override, message):
     with pytest.raises(ConfigError) as error:

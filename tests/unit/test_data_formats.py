@@ -200,6 +200,24 @@ def test_missing_column_names_the_field_the_column_and_the_columns_found(tokeniz
         check_columns(["text"], "chat")
 
 
+def test_a_column_carrying_a_preference_signal_is_never_dropped_unread(tokenizer):
+    """Unpaired completions (KTO's prompt, completion, label) read as prompt_response would train on the undesirable
+    completions too: refused, naming the column, the format that reads it and both fixes; with the column ignored on
+    purpose they train. Metadata no format reads (ids, scores) and a pair's conversation kept beside it pass."""
+    rows = rows_of([{"prompt": "reverse: ab\n", "completion": "ba", "label": True},
+                    {"prompt": "reverse: ab\n", "completion": "ab", "label": False}])
+    with pytest.raises(DataConfigError) as error:
+        build_examples(rows, tokenizer, fmt="prompt_response", max_seq_len=64)
+    message = str(error.value)
+    assert "['label']" in message and "data.format=unpaired" in message and "data.ignore_columns=[label]" in message
+    _, stats = build_examples(rows, tokenizer, fmt="prompt_response", max_seq_len=64, ignore_columns=("label",))
+    assert stats.samples_out == 2
+    with pytest.raises(DataConfigError, match=r"\['margin', 'rejected'\].*preference"):
+        check_columns(["prompt", "completion", "label", "rejected", "margin"], "unpaired")
+    check_columns(["prompt", "chosen", "rejected", "messages", "prompt_id", "score_chosen"], "preference")
+    check_columns(["prompt", "prompt_id", "messages"], "messages")
+
+
 def test_messages_without_a_chat_template_is_a_config_error(tokenizer):
     no_template = copy.deepcopy(tokenizer)
     no_template.chat_template = None

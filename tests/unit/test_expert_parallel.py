@@ -28,31 +28,39 @@ def qwen2_moe(**extra):
 
 def test_a_layout_that_fits_has_no_problem():
     assert ep_problems(mixtral(), 1) == []
-    assert ep_problems(mixtral(), 4, tp=2, dp_shard=2) == []
-    assert ep_problems(qwen2_moe(), 2, tp=1, dp_shard=2) == []
+    assert ep_problems(mixtral(), 4, tp=2) == []
+    assert ep_problems(qwen2_moe(), 2) == []
 
 
 def test_a_dense_model_is_refused_naming_the_fix():
-    [problem] = ep_problems(AutoConfig.for_model("llama", **SIZES), 2, dp_shard=2)
+    [problem] = ep_problems(AutoConfig.for_model("llama", **SIZES), 2)
     assert "backend.ep=2" in problem and "dense" in problem and "set backend.ep=1" in problem
 
 
 def test_ep_must_divide_the_experts():
-    [problem] = ep_problems(qwen2_moe(), 4, dp_shard=4)
+    [problem] = ep_problems(qwen2_moe(), 4)
     assert "backend.ep=4 must divide the model's 6 experts" in problem and "[2, 3, 6]" in problem
 
 
 def test_ep_must_be_a_multiple_of_tp_and_divide_dp_shard_times_tp():
-    [problem] = ep_problems(mixtral(), 2, tp=4, dp_shard=1)
-    assert "backend.ep=2 must be a multiple of backend.tp=4" in problem and "[4, 8]" in problem
-    [problem] = ep_problems(mixtral(), 8, tp=2, dp_shard=2)
-    assert "must divide backend.dp_shard=2 × backend.tp=2 = 4" in problem
+    from llmtrain.parallel.ep import problems
+
+    degrees = {"ep": 2, "tp": 4, "sp": 1, "pp": 1, "dp_shard": 1, "dp_replicate": 1}
+    [problem] = problems(None, degrees)
+    assert "backend.ep=2 must be a multiple of backend.tp=4" in problem and "multiples of 4" in problem
+    [problem] = problems(None, {**degrees, "ep": 8, "tp": 2, "dp_shard": 2})
+    assert "backend.ep=8 must divide backend.dp_shard × backend.tp = 4" in problem
 
 
-def test_lora_on_the_experts_is_refused():
-    [problem] = ep_problems(mixtral(), 2, dp_shard=2, lora_targets=("q_proj", "experts"))
-    assert "LoRA on the experts" in problem and "['experts']" in problem
-    assert ep_problems(mixtral(), 2, dp_shard=2, lora_targets=("q_proj", "down_proj")) == []
+def test_lora_beside_split_experts_is_refused():
+    from omegaconf import OmegaConf
+
+    from llmtrain.models.lora_checks import peft_problems
+
+    peft = OmegaConf.create({"name": "lora", "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"})
+    [problem] = peft_problems(peft, OmegaConf.create({"name": "fsdp2", "tp": 1, "ep": 2}))
+    assert "peft=lora with backend.ep=2" in problem and "use backend.ep=1" in problem
+    assert peft_problems(peft, OmegaConf.create({"name": "fsdp2", "tp": 1, "ep": 1})) == []
 
 
 def test_efsdp_is_what_ep_leaves_of_dp_shard_times_tp():
@@ -88,7 +96,9 @@ def test_all_to_all_bytes():
 
 @pytest.mark.parametrize("ep", [0, -2])
 def test_a_degree_below_one_is_refused(ep):
-    assert ep_problems(mixtral(), ep) == [f"backend.ep={ep} must be >= 1"]
+    from llmtrain.parallel.layout import ParallelDims
+
+    assert f"backend.ep={ep} must be >= 1" in " ".join(ParallelDims.problems(4, ep=ep))
 
 
 # ---- the dimension (parallel/ep.py) through the run's checks and the planner --------------------------------------

@@ -66,3 +66,25 @@ def test_auto_and_chunked_pass_validation_on_the_cpu():
         assert head_kernel(choice, "cpu", 1, cfg.stage.name, True, liger_installed())[0] == "chunked"
     liger = compose_config(["recipe=sft_tiny", "model.fused_loss=liger", "device=cpu"])
     assert any("model.fused_loss=liger" in problem for problem in config_problems(liger, 1))
+
+
+@pytest.mark.parametrize("preset,fused", [("llama-2-7b", True), ("llama-3.1-8b", True), ("qwen3-8b", True),
+                                          ("qwen3-30b-a3b", True), ("tiny", False)])
+def test_auto_fuses_the_head_where_the_logits_outweigh_two_layers(preset, fused):
+    """auto keeps full logits where 12·V bytes a token weigh less than two layers' 2 × 34·h (the tiny recipes' V 263
+    at h 128: 3.2 KB against 8.7 KB) and fuses the shipped presets' heads (Llama 2's 32,000 at h 4,096: 384 KB
+    against 279 KB); chunked and liger always fuse, off never does."""
+    import json
+
+    from llmtrain.models.fused_head import head_is_fused
+    from tests.helpers import REPO
+
+    if preset == "tiny":
+        cfg = compose_config(["recipe=sft_tiny"])
+        vocab, hidden = 263, cfg.model.from_config.hidden_size
+    else:
+        arch = json.loads((REPO / "llmtrain" / "assets" / "configs" / preset / "config.json").read_text())
+        vocab, hidden = arch["vocab_size"], arch["hidden_size"]
+    assert head_is_fused("auto", vocab, hidden) is fused
+    assert head_is_fused("chunked", vocab, hidden) and head_is_fused("liger", vocab, hidden)
+    assert not head_is_fused("off", vocab, hidden)

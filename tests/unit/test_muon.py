@@ -14,9 +14,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from llmtrain.backends.base import OptimizerSpec
 from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
+from llmtrain.metrics.cost import RoleParams, muon_gathers
 from llmtrain.optim.build import build_optimizer, muon_params
 from llmtrain.optim.muon import MuonAdamW
-from llmtrain.optim.spec import MuonSpec, muon_gather_bytes, muon_spec, optimizer_state_bytes, state_floats_per_param
+from llmtrain.optim.spec import MuonSpec, muon_spec, optimizer_state_bytes, state_floats_per_param
 from llmtrain.validation import validate
 
 MUON = MuonSpec(lr=2e-2, weight_decay=0.05, momentum=0.9, nesterov=True, ns_steps=5, eps=1e-7)
@@ -149,6 +150,9 @@ def test_config_muon_composes_and_refuses_what_it_cannot_do():
 def test_planner_figures():
     assert state_floats_per_param("adamw") == 2.0 and state_floats_per_param("muon", 1.0) == 1.0
     assert optimizer_state_bytes("muon", 100, muon_params=75, shards=2) == 4 * (75 + 2 * 25) / 2
-    assert muon_gather_bytes(1000, 1) == 0.0 and muon_gather_bytes(1000, 4) == 4 * 1000 * 3 / 4
+    role = RoleParams(trainable=1000, muon_fraction=0.75)
+    (gather,) = muon_gathers(role, 4)
+    assert (gather.kind, gather.payload, gather.wire) == ("all_gather", 4 * 750, 4 * 750 * 3 / 4)
+    assert muon_gathers(role, 1) == [] and muon_gathers(RoleParams(trainable=1000), 4) == []
     with pytest.raises(ValueError, match="optim.name"):
         state_floats_per_param("sgd")

@@ -93,7 +93,7 @@ def test_stages_in_sequence_give_the_models_logits():
 def test_pp_takes_its_share_of_the_world():
     dims = ParallelDims.build(8, pp=2)
     assert (dims.pp, dims.dp_shard, dims.dp_size) == (2, 4, 4)
-    assert dims.degrees == {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "sp": 1, "tp": 1, "ep": 1}
+    assert dims.degrees == {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "sp": 1, "tp": 1, "ep": 1}
     assert "pp 2 × " in str(dims)
     [message] = ParallelDims.problems(6, pp=4)
     assert "world size 6 divisible by backend.pp=4 × backend.dp_replicate=1 × backend.tp=1 = 4" in message

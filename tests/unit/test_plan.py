@@ -324,7 +324,8 @@ def test_rl_head_memory_is_the_response_positions_with_the_token_loss_gradients(
     for ratio, held in (("token", True), ("sequence", False)):
         cfg = compose_config(["recipe=grpo_tiny", "model.name_or_path=null", "model.from_config={model_type:llama}",
                               "model.tokenizer=" + str(REPO / "llmtrain" / "assets" / "tokenizer"),
-                              f"ppo.ratio={ratio}", "ppo.rollout.max_new_tokens=16", "data.max_seq_len=128"])
+                              "model.fused_loss=chunked", f"ppo.ratio={ratio}", "ppo.rollout.max_new_tokens=16",
+                              "data.max_seq_len=128"])
         f = model_facts(cfg)
         st = plan_setting(cfg, 1, resolve_gpu(cfg.plan, "cpu"), "fp32", f)
         assert st.head_positions == 17 and st.head_loss_sum is held
