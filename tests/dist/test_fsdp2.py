@@ -84,7 +84,9 @@ RESUMED = {f"{source}_as_{name}": (source, name) for source, name in [
 TIED = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "trainer.eval_every_n_steps=0",
         "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "trainer.max_steps=3",
         "trainer.grad_accum_steps=1", "trainer.global_batch_size=16", "trainer.save_every_n_steps=0"]
-TIED_RUNS = {"ddp": (8, "backend=ddp"), "fsdp2": (8, "backend=fsdp2"), "fsdp2_tp": (16, "backend=fsdp2_tp")}
+# fsdp2_tp names the fused head (auto keeps full logits at V 263): a tied one is kept whole, not split over the vocab
+TIED_RUNS = {"ddp": (8, ["backend=ddp"]), "fsdp2": (8, ["backend=fsdp2"]),
+             "fsdp2_tp": (16, ["backend=fsdp2_tp", "model.fused_loss=chunked"])}
 
 
 def launches(root: Path, models: dict[str, Path]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
@@ -97,7 +99,7 @@ def launches(root: Path, models: dict[str, Path]) -> list[tuple[int, list[tuple[
         args, nproc = contender_args(name, models[model], root / f"{model}_{name}")
         batches[nproc].append((f"{model}_{name}", args))
     for tied, (micro, backend) in TIED_RUNS.items():
-        batches[2].append((f"tied_{tied}", [*TIED, backend, f"trainer.micro_batch_size={micro}"]))
+        batches[2].append((f"tied_{tied}", [*TIED, *backend, f"trainer.micro_batch_size={micro}"]))
     for resumed, (source, name) in RESUMED.items():
         args, nproc = contender_args(name, models["llama"], root / resumed,
                                      f"resume={root}/llama_{source}/checkpoints/step_5")
