@@ -117,7 +117,23 @@ def reference_off_adapters(cfg: Any) -> str | None:
     return cfg.stage.name if any(spec.adapter_off_of for spec in roles.values()) else None
 
 
+def reference_links(problems: list[str], cfg: Any) -> str:
+    """Where the configuration reference (docs/reference/config.md, generated from the schema: a section per group,
+    the backend's by its name) lists the fields these problems name."""
+    import re
+
+    from llmtrain.paths import docs_page
+
+    named = {match.group(1) for problem in problems for match in re.finditer(r"\b([a-z_]+)\.[a-z_]+", problem)}
+    anchors = [f"#{group}" for group in cfg if group in named and group != "backend"]
+    if "backend" in named:
+        anchors.append(f"#backend-{cfg.backend.name}")
+    return f"every field and its values: {docs_page('reference/config.md')}" + (
+        f" ({', '.join(anchors)})" if anchors else "")
+
+
 def validate(cfg: Any, world_size: int) -> None:
     problems = config_problems(cfg, world_size)
     if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems) + "\n"
+                          + reference_links(problems, cfg))

@@ -283,6 +283,25 @@ def test_every_page_llmtrain_names_exists():
     assert sorted(page for page in named if not (DOCS / page).is_file()) == []
 
 
+def test_a_refused_config_links_the_reference_sections_of_the_fields_it_names():
+    """validate()'s error ends with the configuration reference and the section of each group it names, and those
+    sections exist in the generated page."""
+    import pytest
+
+    from llmtrain.compose import compose_config
+    from llmtrain.config import ConfigError
+    from llmtrain.validation import validate
+
+    cfg = compose_config(["recipe=sft_tiny", "backend=zero3", "trainer.micro_batch_size=0", "optim.lr=-1"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, 1)
+    last = str(error.value).splitlines()[-1]
+    assert last.startswith("every field and its values: docs/reference/config.md (")
+    anchors = re.findall(r"#([\w-]+)", last)
+    assert {"trainer", "optim"} <= set(anchors), last
+    assert set(anchors) <= heading_ids((REPO / "docs" / "reference" / "config.md").read_text()), last
+
+
 def test_every_page_is_in_the_navigation_and_every_result_on_the_benchmarks_page():
     nav = (REPO / "mkdocs.yml").read_text().split("\nnav:", 1)[1]
     pages = {p.relative_to(DOCS).as_posix() for p in [*DOCS.rglob("*.md"), *DOCS.rglob("*.ipynb")]}
