@@ -9,8 +9,9 @@ from llmtrain.parallel.dimension import (
     applied_in_order,
     degree_of,
     degrees_of,
+    row_degrees,
 )
 from llmtrain.parallel.layout import ParallelDims, describe_degrees
 
 __all__ = ["DIMENSIONS", "PLANNED", "Dimension", "ParallelDims", "applied_in_order", "degree_of", "degrees_of",
-           "describe_degrees"]
+           "describe_degrees", "row_degrees"]

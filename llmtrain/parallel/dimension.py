@@ -107,3 +107,9 @@ def with_defaults(degrees: dict[str, int | None]) -> dict[str, int]:
 def degree_of(backend: Any, name: str) -> int:
     """One degree of a backend config (`degrees_of`)."""
     return degrees_of(backend)[name]
+
+
+def row_degrees(backend: Any) -> dict[str, int]:
+    """{dimension: degree} of the row-sharing dimensions (sp, cp) a backend config sets above 1."""
+    degrees = degrees_of(backend)
+    return {name: degrees[name] for name, dim in DIMENSIONS.items() if dim.shares_rows and degrees[name] > 1}

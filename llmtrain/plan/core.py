@@ -311,9 +311,10 @@ def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
 
 
 def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
-                     sp: int = 1) -> tuple[list[Layout], list[str]]:
-    """Every preset that fits this world and model, and a note per one that does not; with `sp` > 1, each preset
-    whose backend shards sequences (a `backend.sp` field) at that sp."""
+                     rows: dict[str, int] | None = None) -> tuple[list[Layout], list[str]]:
+    """Every preset that fits this world and model, and a note per one that does not; with `rows` (the run's
+    row-sharing degrees above 1: parallel.row_degrees, e.g. {"cp": 2, "sp": 2}), each preset whose backend has those
+    fields at those degrees (a backend without one compares unsplit)."""
     from omegaconf import OmegaConf
 
     from llmtrain.backends import backend_plan_problems
@@ -322,8 +323,9 @@ def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
 
     layouts, notes = [], []
     for name, backend in preset_backends().items():
-        if sp > 1 and "sp" in spec_of(backend).fields():
-            backend = OmegaConf.merge(backend, {"sp": sp})
+        shared = {name: n for name, n in (rows or {}).items() if name in spec_of(backend).fields()}
+        if shared:
+            backend = OmegaConf.merge(backend, shared)
         problems = backend_problems(backend, world) + peft_problems(cfg.peft, backend)
         problems = problems or backend_plan_problems(backend, world, facts)
         if problems:

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from llmtrain.metrics.cost import GIB, Layout
 from llmtrain.metrics.devices import Gpu, host_memory_gib
 from llmtrain.models.facts import lora_trainable
-from llmtrain.parallel import degree_of
+from llmtrain.parallel import row_degrees
 from llmtrain.plan.core import USABLE, Row, RunPlan, Setting, compared_layouts, largest_micro_batch, plan_row
 from llmtrain.plan.report import _size
 from llmtrain.stages.registry import stage_roles
@@ -115,7 +115,7 @@ def fit_fixes(cfg: DictConfig, st: Setting, row: Row, budget: Budget) -> list[st
     lora = _lora_setting(cfg, st) if cfg.peft.name == "none" else None
     if lora is not None:
         candidates["peft=lora"] = (lora, row.layout)
-    presets = compared_layouts(cfg, st.world, st.facts, degree_of(cfg.backend, "sp"))[0]  # at the run's backend.sp
+    presets = compared_layouts(cfg, st.world, st.facts, row_degrees(cfg.backend))[0]  # at the run's sp and cp
     backends = {f"backend={lay.name}": (st, lay) for lay in presets if lay.name != row.layout.name}
     totals = {k: (s, lay, budget.held(plan_row(s, lay))) for k, (s, lay) in {**candidates, **backends}.items()}
     lower = {k: v for k, v in totals.items() if v[2] < need and k not in backends}

@@ -34,7 +34,7 @@ from llmtrain.metrics.devices import Gpu, resolve_gpu
 from llmtrain.metrics.flops import human, training_flops_per_token
 from llmtrain.metrics.memory import frozen_elem_bytes, planned_state_bytes
 from llmtrain.models.facts import ModelFacts, model_facts
-from llmtrain.parallel import degree_of
+from llmtrain.parallel import row_degrees
 from llmtrain.parallel.dimension import dimension_lines
 from llmtrain.plan.core import (
     SEQ_SEARCH_LIMIT,
@@ -172,7 +172,7 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
     st = setting(cfg, world, gpu, precision, facts)
     notes: list[str] = []
     if cfg.plan.compare_backends:  # at the run's backend.sp, where a preset shards sequences
-        layouts, notes = compared_layouts(cfg, world, facts, degree_of(cfg.backend, "sp"))
+        layouts, notes = compared_layouts(cfg, world, facts, row_degrees(cfg.backend))
     else:
         layouts = [layout_of(row_name(cfg.backend), cfg.backend, world, facts.hidden)]
     rows = plan_rows(st, layouts)
@@ -200,7 +200,7 @@ def describe(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: Model
         lines.append(f"{r.layout.name}: {'fits' if r.fits else 'does NOT fit'} at micro-batch {st.micro} "
                      f"({_size(r.device_bytes)} of {gpu.memory_gib:.1f} GiB, {USABLE:.0%} usable); "
                      f"largest micro-batch that fits {r.max_micro}")
-    return lines + longest_sequence_lines(st, [r.layout for r in rows], degree_of(cfg.backend, "sp"))
+    return lines + longest_sequence_lines(st, [r.layout for r in rows], row_degrees(cfg.backend))
 
 
 def engine_section(cfg: DictConfig, st: Setting, rows: list[Row]) -> list[str]:
@@ -213,9 +213,9 @@ def engine_section(cfg: DictConfig, st: Setting, rows: list[Row]) -> list[str]:
     return engine_lines(engine, memory, st.gpu, training, USABLE)
 
 
-def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[str]:
-    """Per backend of the table, the longest data.max_seq_len that fits at micro-batch 1 (at the run's backend.sp
-    `sp`: a compared preset that shards sequences was taken to it, ddp has none)."""
+def longest_sequence_lines(st: Setting, layouts: list[Layout], rows: dict[str, int]) -> list[str]:
+    """Per backend of the table, the longest data.max_seq_len that fits at micro-batch 1 (at the run's row-sharing
+    degrees `rows`, sp and cp: a compared preset that has them was taken to them, ddp has none)."""
     lines, most = [], 0
     for layout in layouts:
         longest = longest_sequence(st, layout)
@@ -226,7 +226,7 @@ def longest_sequence_lines(st: Setting, layouts: list[Layout], sp: int) -> list[
             continue
         split = " × ".join(f"{name} {degree}" for name, degree in (("cp", layout.cp), ("sp", layout.sp)) if degree > 1)
         per_rank = f" ({split}: {-(-longest // layout.row_split):,} tokens of each row per rank)" if split \
-            else " (no sp)" if sp > 1 else ""
+            else f" (no {' or '.join(rows)})" if rows else ""
         at_least = "at least " if longest >= SEQ_SEARCH_LIMIT else ""
         lines.append(f"{layout.name}: longest data.max_seq_len that fits at micro-batch 1: {at_least}{longest:,}"
                      f"{per_rank}")

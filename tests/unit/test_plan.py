@@ -404,3 +404,24 @@ def test_the_plan_prints_the_longest_sequence_per_backend_at_the_runs_sp():
     assert lines["zero3"] == line and lines["ddp"].endswith("(no sp)")
     assert all("(sp 8: " in lines[name] for name in ("zero1", "zero2", "zero3_offload", "fsdp2"))
     assert any(line.startswith("fsdp2_tp: left out") and "backend.sp=8 × backend.tp=2" in line for line in compared)
+
+
+
+def test_longest_sequence_with_context_parallelism_splits_rows_over_cp_times_sp():
+    """backend.cp=4 × backend.sp=2 on 8 H200s: each rank plans s/8 tokens of each row (Layout.row_split), the compared
+    presets that have both fields are taken to them, ddp has neither; the figure fits by the plan and one more token
+    does not."""
+    args = ["recipe=sft_7b", "backend=zero3", "backend.cp=4", "backend.sp=2", "data.max_seq_len=131072",
+            "plan.world_size=8", "plan.gpu=h200"]
+    compared = plan_text(compose_config([*args, "plan.compare_backends=true"])).splitlines()
+    lines = {line.split(":")[0]: line for line in compared if "longest data.max_seq_len" in line}
+    longest = int(lines["zero3"].split("micro-batch 1: ")[1].split(" (")[0].replace(",", ""))
+    assert f"(cp 4 × sp 2: {-(-longest // 8):,} tokens of each row per rank)" in lines["zero3"]
+    assert "(cp 4 × sp 2: " in lines["fsdp2"] and lines["ddp"].endswith("(no cp or sp)")
+    cfg = compose_config(args)
+    facts_7b, gpu = model_facts(cfg), resolve_gpu(cfg.plan, "cuda", 8)
+    st, layout = plan_setting(cfg, 8, gpu, "bf16", facts_7b), layout_of("zero3", cfg.backend, 8, facts_7b.hidden)
+    usable = gpu.memory_gib * GIB * 0.92
+    assert layout.row_split == 8
+    assert plan_row(dataclasses.replace(st, micro=1, seq=longest), layout).device_bytes <= usable
+    assert plan_row(dataclasses.replace(st, micro=1, seq=longest + 1), layout).device_bytes > usable
