@@ -9,7 +9,7 @@ from typing import Any
 
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.load import local_model_config, unsupported_attention
-from llmtrain.parallel import degree_of
+from llmtrain.parallel import row_degrees
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
 SP_ATTENTIONS = ("auto", SEGMENT_ATTENTION)  # the attention run on whole rows after the exchange (in the ring's blocks)
@@ -17,8 +17,7 @@ SP_ATTENTIONS = ("auto", SEGMENT_ATTENTION)  # the attention run on whole rows a
 
 def sp_problems(cfg: Any) -> list[str]:
     """The stage, the attention and the model family under backend.sp > 1 or backend.cp > 1."""
-    shared = {name: degree_of(cfg.backend, name) for name in ("sp", "cp")}  # 1 for a backend without the field
-    shared = {name: degree for name, degree in shared.items() if degree > 1}
+    shared = row_degrees(cfg.backend)  # none for a backend without the fields (ddp)
     if not shared or cfg.stage.name not in stage_names():
         return []
     spec, problems = stage_spec(cfg.stage.name), []

@@ -14,17 +14,6 @@ from typing import Any
 from llmtrain.parallel.dimension import Dimension, register
 
 
-def problems(backend: Any, degrees: dict) -> list[str]:
-    cp, found = degrees["cp"], []
-    if cp > 1 and degrees["pp"] > 1:
-        found.append(f"backend.pp={degrees['pp']} with backend.cp={cp}: pipeline stages over sequence shards are not "
-                     "supported yet (neither is tested with the other); use one of them")
-    if cp > 1 and degrees["ep"] > 1:
-        found.append(f"backend.ep={degrees['ep']} with backend.cp={cp}: the routers' statistics need whole rows per "
-                     "rank; use one")
-    return found
-
-
 def _model_problems(cp: int, model_type: str, window: int | None, moe: bool) -> list[str]:
     found = []
     if window is not None:
@@ -73,6 +62,6 @@ def plan_line(st: Any, row: Any) -> str:
 
 
 CP = register(Dimension(name="cp", position=25, same_data=True, shares_rows=True,
-                        problems=problems, arch_problems=arch_problems, facts_problems=facts_problems,
+                        arch_problems=arch_problems, facts_problems=facts_problems,
                         collectives=collectives, plan_line=plan_line,
                         elsewhere="DDP keeps whole rows on every rank"))

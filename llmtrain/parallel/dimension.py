@@ -109,7 +109,11 @@ def degree_of(backend: Any, name: str) -> int:
     return degrees_of(backend)[name]
 
 
-def row_degrees(backend: Any) -> dict[str, int]:
-    """{dimension: degree} of the row-sharing dimensions (sp, cp) a backend config sets above 1."""
-    degrees = degrees_of(backend)
+def shared_rows(degrees: dict[str, int]) -> dict[str, int]:
+    """{dimension: degree} of the row-sharing dimensions (sp, cp) above 1 among these degrees."""
     return {name: degrees[name] for name, dim in DIMENSIONS.items() if dim.shares_rows and degrees[name] > 1}
+
+
+def row_degrees(backend: Any) -> dict[str, int]:
+    """`shared_rows` of a backend config."""
+    return shared_rows(degrees_of(backend))

@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from llmtrain.parallel.dimension import Dimension, register
+from llmtrain.parallel.dimension import Dimension, register, shared_rows
 
 log = logging.getLogger(__name__)
 
 
 def problems(backend: Any, degrees: dict) -> list[str]:
-    ep, tp, sp, pp, shard = degrees["ep"], degrees["tp"], degrees["sp"], degrees["pp"], degrees["dp_shard"]
+    ep, tp, pp, shard = degrees["ep"], degrees["tp"], degrees["pp"], degrees["dp_shard"]
     if ep <= 1:
         return []
     found = []
@@ -30,8 +30,8 @@ def problems(backend: Any, degrees: dict) -> list[str]:
         found.append(f"backend.ep={ep} must divide backend.dp_shard × backend.tp = {shard * tp} (experts are split "
                      "over ranks of one data-parallel shard group); change backend.ep, backend.dp_shard or the number "
                      "of processes")
-    if sp > 1:
-        found.append(f"backend.ep={ep} with backend.sp={sp}: the routers' statistics need whole rows per rank; use one")
+    found += [f"backend.ep={ep} with backend.{name}={degree}: the routers' statistics need whole rows per rank; use "
+              "one" for name, degree in shared_rows(degrees).items()]
     if degrees["dp_replicate"] > 1:
         found.append(f"backend.ep={ep} with backend.dp_replicate={degrees['dp_replicate']}: experts sharded over "
                      "replicas (HSDP) are not built yet; use backend.dp_replicate=1")

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.parallel.dimension import Dimension, register
+from llmtrain.parallel.dimension import Dimension, register, shared_rows
 
 
 def problems(backend: Any, degrees: dict) -> list[str]:
-    """The schedule's fields and what the pipeline does not combine with yet (a backend config at hand)."""
+    """What the pipeline does not combine with yet: sequence shards (sp, cp), and with a backend config at hand its
+    schedule's fields and settings."""
     from llmtrain.backends.pipeline_checks import schedule_problems, unsupported_settings
 
-    if degrees["pp"] <= 1 or backend is None:
+    pp = degrees["pp"]
+    if pp <= 1:
         return []
-    return schedule_problems(backend) + unsupported_settings(backend)
+    found = [f"backend.pp={pp} with backend.{name}={degree}: pipeline stages over sequence shards are not supported "
+             "yet (neither is tested with the other); use one of them" for name, degree in shared_rows(degrees).items()]
+    return found if backend is None else found + schedule_problems(backend) + unsupported_settings(backend)
 
 
 def arch_problems(backend: Any, dims: Any, arch: Any) -> list[str]:

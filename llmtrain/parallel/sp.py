@@ -11,14 +11,6 @@ from typing import Any
 from llmtrain.parallel.dimension import Dimension, register
 
 
-def problems(backend: Any, degrees: dict) -> list[str]:
-    pp, sp = degrees["pp"], degrees["sp"]
-    if pp > 1 and sp > 1:
-        return [f"backend.pp={pp} with backend.sp={sp}: pipeline stages over sequence shards are not supported "
-                "yet (neither is tested with the other); use one of them"]
-    return []
-
-
 def arch_problems(backend: Any, dims: Any, arch: Any) -> list[str]:
     from llmtrain.models.ulysses_checks import sp_model_problems
 
@@ -48,10 +40,10 @@ def collectives(layout: Any, facts: Any, precision: str, *, tokens_per_micro: in
 
 def plan_line(st: Any, row: Any) -> str:
     lay = row.layout
-    return (f"{lay.name}: dp {lay.dp} × sp {lay.sp}, {-(-st.seq // lay.sp)} tokens of each row per rank (activations "
-            "and logits at s/sp; 4 all-to-alls per layer)")
+    return (f"{lay.name}: dp {lay.dp} × sp {lay.sp}, {-(-st.seq // lay.row_split)} tokens of each row per rank "
+            "(activations and logits at that share; 4 all-to-alls per layer)")
 
 
 SP = register(Dimension(name="sp", position=30, same_data=True, shares_rows=True,
-                        problems=problems, arch_problems=arch_problems, facts_problems=facts_problems,
+                        arch_problems=arch_problems, facts_problems=facts_problems,
                         collectives=collectives, plan_line=plan_line))

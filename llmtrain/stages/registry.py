@@ -47,10 +47,9 @@ def decide_attention(cfg, resolved: str, for_family) -> str:
     it; the family's support; the stage's own need
     (PPO's left-padded rollouts read a padding mask: StageSpec.attention), checked against the family again."""
     from llmtrain.models.attention import SEGMENT_ATTENTION
-    from llmtrain.parallel import degree_of
+    from llmtrain.parallel import row_degrees
 
-    shared = degree_of(cfg.backend, "sp") > 1 or degree_of(cfg.backend, "cp") > 1
-    attn = for_family(SEGMENT_ATTENTION if shared else resolved)
+    attn = for_family(SEGMENT_ATTENTION if row_degrees(cfg.backend) else resolved)
     adjust = stage_spec(cfg.stage.name).attention
     return attn if adjust is None else for_family(adjust(cfg, attn))
 

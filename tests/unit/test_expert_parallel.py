@@ -43,9 +43,10 @@ def test_ep_must_divide_the_experts():
 
 
 def test_ep_must_be_a_multiple_of_tp_and_divide_dp_shard_times_tp():
+    from llmtrain.parallel.dimension import with_defaults
     from llmtrain.parallel.ep import problems
 
-    degrees = {"ep": 2, "tp": 4, "sp": 1, "pp": 1, "dp_shard": 1, "dp_replicate": 1}
+    degrees = with_defaults({"ep": 2, "tp": 4, "dp_shard": 1})  # every other degree at its default
     [problem] = problems(None, degrees)
     assert "backend.ep=2 must be a multiple of backend.tp=4" in problem and "multiples of 4" in problem
     [problem] = problems(None, {**degrees, "ep": 8, "tp": 2, "dp_shard": 2})
