@@ -12,9 +12,12 @@ the JSON files, then COMPLETE, renames the folder to `step_<N>` (a folder of the
 first and deleted only after the rename), and only then replaces `latest` atomically. A crash at any point
 leaves either a hidden temp folder or a complete step folder: never a torn `latest`. Pruning follows this
 run's lineage (the chain of `parent`s from the newest save), so resuming from an older step into the same
-run dir never keeps the abandoned continuation nor prunes the checkpoint just written. Checkpoints of the
-single-engine layout (`engine/`, `trainer_state.json`) still load as the role "policy". Everything llmtrain
-itself loads goes through `torch.load(weights_only=True)`.
+run dir never keeps the abandoned continuation nor prunes the checkpoint just written. With
+trainer.async_save the engines' files are written in the background (checkpoint_async.py) and the same
+finalisation runs once every rank's writes ended (`finalize_pending`): until then the save is the hidden temp
+folder, so a crash leaves the previous checkpoint `latest`, and pruning (at finalisation only) never removes it.
+Checkpoints of the single-engine layout (`engine/`, `trainer_state.json`) still load as the role "policy".
+Everything llmtrain itself loads goes through `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmtrain.distributed import DistContext, barrier
+from llmtrain.checkpoint_async import PendingSave, checkpoint_group, start_writes
+from llmtrain.distributed import DistContext, all_reduce_max, barrier
 from llmtrain.faults import inject
 
 log = logging.getLogger(__name__)
@@ -171,34 +175,74 @@ def lineage(newest: Path) -> list[Path]:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep_last_k: int, ctx: DistContext, parent: str | None = None):
+    def __init__(self, run_dir: Path, keep_last_k: int, ctx: DistContext, parent: str | None = None,
+                 async_save: bool = False):
         self.dir = run_dir / "checkpoints"
         self.keep_last_k, self.ctx = keep_last_k, ctx
         self.parent = parent  # the step folder name this run continues from (in this run dir), if any
+        self.async_save = async_save  # write in the background (checkpoint_async.py); finalize_pending completes it
+        self.group = checkpoint_group() if async_save else None  # the background writes' collectives
+        self.pending: PendingSave | None = None
 
     def save(self, step: int, engines: dict, trainer_state: dict, stage_state: dict, config_yaml: str) -> Path:
+        """Write `step_<step>`. With async_save the engines' state is copied to host memory and written in the
+        background: the folder appears (COMPLETE, `latest`) only at `finalize_pending`, called by the next save."""
+        self.finalize_pending()  # one save in flight at most: the previous one completes first
         final, tmp = self.dir / f"step_{step}", self.dir / f".tmp_step_{step}"
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         barrier()
+        # as text now: the stage's state may be live objects that the next steps change while a write is in flight
+        finalisation = {"trainer_json": json.dumps({**trainer_state, "parent": self.parent}, indent=1),
+                        "stage_json": json.dumps(stage_state, indent=1), "config_yaml": config_yaml}
+        if self.async_save:
+            writes = start_writes(engines, tmp / "engines", self.group)
+            torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")  # small: now
+            self.pending = PendingSave.start(step, tmp, final, self.ctx.rank, writes, **finalisation)
+            return final
         for role, engine in engines.items():
             engine.save_checkpoint(tmp / "engines" / role)
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
         barrier()
-        inject("save", rank=self.ctx.rank, step=step)  # tests: a rank killed inside the save
+        self._finalize(PendingSave(step, tmp, final, done=None, **finalisation))
+        return final
+
+    def finalize_pending(self) -> Path | None:
+        """Complete the save written in the background, once every rank's writes ended: the step folder it made
+        (None when no save was in flight). Collective: every rank calls it at the same point (the next save, the
+        end of fit, a stop, before a rollback reloads the last checkpoint). A write that failed on any rank raises
+        on every rank; the checkpoint stays an invisible temp folder and `latest` names the previous one."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        error = pending.wait()
+        failed = all_reduce_max(torch.tensor([0 if error is None else 1 + self.ctx.rank]))  # a failed rank, 1-based
+        if failed.item():
+            why = f"here: {error!r}" if error is not None else "its log says why"
+            raise RuntimeError(f"checkpoint step_{pending.step}: its background write failed on rank "
+                               f"{int(failed.item()) - 1} ({why}); the checkpoint was not made, checkpoints/latest "
+                               "still names the previous one")
+        self._finalize(pending)
+        return pending.final
+
+    wait = finalize_pending  # the name a caller that only needs the last checkpoint on disk reads best
+
+    def _finalize(self, save: PendingSave) -> None:
+        """Every rank's files are in `save.tmp`: rank 0 adds the JSON files, COMPLETE, renames, `latest`, prunes."""
+        inject("save", rank=self.ctx.rank, step=save.step)  # tests: a rank killed inside the save
         if self.ctx.is_main:
-            (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "parent": self.parent}, indent=1))
-            (tmp / "stage.json").write_text(json.dumps(stage_state, indent=1))
-            (tmp / "config.yaml").write_text(config_yaml)
+            tmp, final = save.tmp, save.final
+            (tmp / "trainer.json").write_text(save.trainer_json)
+            (tmp / "stage.json").write_text(save.stage_json)
+            (tmp / "config.yaml").write_text(save.config_yaml)
             fsync_tree(tmp)
-            _write_text_atomic(tmp / COMPLETE, f"step {step}\n")
+            _write_text_atomic(tmp / COMPLETE, f"step {save.step}\n")
             _replace_dir(tmp, final)
             _write_text_atomic(self.dir / "latest", final.name + "\n")
             self._prune(final)
-        self.parent = final.name
+        self.parent = save.final.name
         barrier()
-        return final
 
     def _prune(self, newest: Path) -> None:
         """Keep the newest keep_last_k of this run's lineage; every other complete step folder goes (an

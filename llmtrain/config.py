@@ -16,6 +16,18 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class SpikeConfig:
+    """trainer.spike (llmtrain/spikes.py): a step whose loss (or grad norm) exceeds factor × the running median."""
+    policy: str = "off"  # off | log (metrics only) | skip (no update, as skip_nonfinite) | rollback (reload the
+    # last complete checkpoint and skip the data since it; listed in skipped_data.jsonl)
+    metric: str = "loss"  # loss | grad_norm: the globally reduced value the Updater reports
+    factor: float = 3.0  # a spike: value > factor × the median of the last `window` values (must be > 1)
+    window: int = 50  # values the running median is taken over
+    warmup_steps: int = 20  # updates observed before any step can count as a spike
+    max_rollbacks: int = 3  # policy=rollback: the run stops with an error (exit code 3) at the next spike after these
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 100  # optimizer steps to train (PPO/GRPO: iterations, each a rollout and its updates)
     seed: int = 1234  # seeds the data order, weights not loaded from a checkpoint, dropout and sampling
@@ -24,12 +36,18 @@ class TrainerConfig:
     global_batch_size: Optional[int] = None  # when set: must equal micro × accum × dp
     eval_every_n_steps: int = 0  # 0: evaluate only after the last step
     eval_batch_size: Optional[int] = None  # default: micro_batch_size
-    log_every_n_steps: int = 10  # console only; metrics.jsonl gets every step
+    log_every_n_steps: int = 10  # console lines and the straggler check's window; metrics.jsonl gets every step
+    straggler_threshold: float = 0.2  # a rank is slow in a log window when its busy time exceeds the median rank's
+    # by more than this fraction of it (metrics/straggler.py)
+    straggler_windows: int = 3  # a rank slow in this many log windows in a row is named (log, straggler_rank)
     save_every_n_steps: int = 0  # 0: save only after the last step
     keep_last_k: int = 2  # complete checkpoints kept along this run's lineage; older ones are removed
+    async_save: bool = False  # true: the save copies the state to host memory and writes it in the background
+    # (complete, `latest` and pruned at the next save or the end; FSDP2 and DDP; docs/guide/checkpoints.md)
     skip_nonfinite: bool = False  # true: skip a step whose loss or grad norm is not finite (counted in
     # skipped_steps); false: stop every rank with an error (exit code 3)
     collective_timeout_s: int = 600  # a collective stuck longer than this ends the job, naming the rank and step
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss spikes: logged, skipped or rolled back
 
 
 @dataclass
@@ -183,6 +201,8 @@ CHOICES = {  # the schema's own fields; the registries' names (stage, backend, d
     "optim.schedule": ("cosine", "linear", "constant"),
     "data.overlong": ("truncate", "drop", "chunk"),
     "model.fused_loss": ("auto", "chunked", "liger", "off"),
+    "trainer.spike.policy": ("off", "log", "skip", "rollback"),
+    "trainer.spike.metric": ("loss", "grad_norm"),
 }
 OUTPUT_LAYERS = ("lm_head",)  # never a LoRA target: peft's all-linear leaves it out too
 

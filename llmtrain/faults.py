@@ -8,8 +8,11 @@
   `CollectiveFailure`, naming the rank, the step and what the loop was doing, with torch's message (gloo
   says the operation, e.g. "recv"; NCCL's watchdog names the collective and its sequence number).
 - `inject`: the faults the tests need, at a precise step, with real signals, from the environment variable
-  LLMTRAIN_TEST_FAULT="rank=1,step=7,signal=KILL[,at=step|save][,target=self|launcher]". It fires only in
-  the first attempt (TORCHELASTIC_RESTART_COUNT 0), so a torchrun restart runs clean.
+  LLMTRAIN_TEST_FAULT="rank=1,step=7,signal=KILL[,at=step|save|write][,target=self|launcher]". It fires only in
+  the first attempt (TORCHELASTIC_RESTART_COUNT 0), so a torchrun restart runs clean. A fault
+  "sleep=SECONDS,at=data|step|save[,rank=R][,step=S][,every=K]" sleeps there instead (a slow loader, a slow rank, a
+  slow save: metrics/timing.py's tests); several faults are joined by ';'. "rank=R,step=S,kind=bad_batch" gives
+  rank R's batch of step S labels that blow the loss up, once (`corrupt_batches`: loss spikes, llmtrain/spikes.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 
 import torch
 
@@ -99,24 +103,75 @@ def collective_guard(*, rank: int, step: int, doing: str, timeout_s: int):
 
 def _parse_fault(text: str) -> dict:
     fields = dict(part.split("=", 1) for part in text.split(",") if part)
+    if fields.get("kind") == "bad_batch":  # rank=R,step=S,kind=bad_batch: see corrupt_batches
+        if set(fields) != {"rank", "step", "kind"}:
+            raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected rank=R,step=S,kind=bad_batch")
+        return {"kind": "bad_batch", "rank": int(fields["rank"]), "step": int(fields["step"])}
     unknown = set(fields) - {"rank", "step", "signal", "at", "target"}
     if unknown or not {"rank", "step", "signal"} <= set(fields):
-        raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected rank=R,step=S,signal=NAME[,at=step|save]"
-                         "[,target=self|launcher]")
-    return {"rank": int(fields["rank"]), "step": int(fields["step"]), "at": fields.get("at", "step"),
+        raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected rank=R,step=S,signal=NAME[,at=step|save|write]"
+                         "[,target=self|launcher] or rank=R,step=S,kind=bad_batch")
+    return {"kind": "signal", "rank": int(fields["rank"]), "step": int(fields["step"]), "at": fields.get("at", "step"),
             "signal": getattr(signal, f"SIG{fields['signal'].upper().removeprefix('SIG')}"),
             "target": fields.get("target", "self")}
 
 
 def inject(at: str, *, rank: int, step: int) -> None:
     """Send the configured signal when this rank reaches `step` at the point `at` ("step": after the step's
-    update, before the stop agreement; "save": inside the save, after every rank wrote its files)."""
+    update, before the stop agreement; "save": inside the save, after every rank wrote its files; "write": on the
+    thread of a save written in the background (trainer.async_save), after this rank's files, before COMPLETE)."""
     text = os.environ.get(TEST_FAULT_ENV)
     if not text or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    fault = _parse_fault(text)
-    if (fault["at"], fault["rank"], fault["step"]) != (at, rank, step):
-        return
-    pid = os.getppid() if fault["target"] == "launcher" else os.getpid()
-    log.warning("test fault: %s to %s at %s %d", fault["signal"].name, fault["target"], at, step)
-    os.kill(pid, fault["signal"])
+    text = _delay(text, at, rank=rank, step=step)  # sleep=... faults (several joined by ';'); the rest
+    for fault in map(_parse_fault, filter(None, text.split(";"))):
+        if fault["kind"] != "signal" or (fault["at"], fault["rank"], fault["step"]) != (at, rank, step):
+            continue
+        pid = os.getppid() if fault["target"] == "launcher" else os.getpid()
+        log.warning("test fault: %s to %s at %s %d", fault["signal"].name, fault["target"], at, step)
+        os.kill(pid, fault["signal"])
+
+
+_corrupted: set[int] = set()  # steps whose batch was corrupted: once per process (a rollback replays the step)
+
+
+def corrupt_batches(micro_batches: list, *, rank: int, step: int) -> list:
+    """LLMTRAIN_TEST_FAULT="rank=R,step=S,kind=bad_batch": on rank R, step S's micro-batches get labels that blow
+    the loss up (every position a target, all token id 0: '!' in the shipped byte-level tokenizer, which the tiny
+    data never holds), once per process, so the step a rollback replays reads clean data."""
+    faults = [_parse_fault(part) for part in os.environ.get(TEST_FAULT_ENV, "").split(";") if "bad_batch" in part]
+    if (rank, step) not in {(fault["rank"], fault["step"]) for fault in faults} or step in _corrupted:
+        return micro_batches
+    _corrupted.add(step)
+    log.warning("test fault: bad batch at step %d on rank %d", step, rank)
+    return [_blown_up(batch) for batch in micro_batches]
+
+
+def _blown_up(batch):
+    import dataclasses
+
+    if not hasattr(batch, "labels"):
+        raise ValueError(f"{TEST_FAULT_ENV}: kind=bad_batch needs a batch with labels (an LM batch), not "
+                         f"{type(batch).__name__}")
+    labels = torch.zeros_like(batch.labels)  # (B, T)
+    return dataclasses.replace(batch, labels=labels, num_targets=int(labels[:, 1:].numel()))
+
+
+def _delay(text: str, at: str, *, rank: int, step: int) -> str:
+    """Sleep for each `sleep=SECONDS,at=data|step|save[,rank=R][,step=S][,every=K]` fault in `text` (faults joined
+    by ';') that matches this point ("data": in the step's fetch of its batches, a slow loader): every rank and step
+    unless narrowed (`every`: steps divisible by K). Returns the other faults."""
+    others = []
+    for part in filter(None, text.split(";")):
+        fields = dict(item.split("=", 1) for item in part.split(",") if item)
+        if "sleep" not in fields:
+            others.append(part)
+            continue
+        unknown = set(fields) - {"sleep", "at", "rank", "step", "every"}
+        if unknown or fields.get("at") not in ("data", "step", "save"):
+            raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected sleep=SECONDS,at=data|step|save[,rank=R][,step=S]"
+                             "[,every=K]")
+        if (fields["at"] == at and int(fields.get("rank", rank)) == rank and int(fields.get("step", step)) == step
+                and step % int(fields.get("every", 1)) == 0):
+            time.sleep(float(fields["sleep"]))
+    return ";".join(others)

@@ -28,8 +28,10 @@ from llmtrain.distributed import (
     resolve_precision,
     shutdown,
 )
+from llmtrain.doctor import summary_line
 from llmtrain.metrics.live import live_cost
 from llmtrain.metrics.sinks import ConsoleSink, JsonlSink, WandbSink
+from llmtrain.metrics.straggler import StragglerWatch
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.models.fused_head import head_is_fused
@@ -42,15 +44,17 @@ from llmtrain.models.load import (
     resolve_attn_implementation,
 )
 from llmtrain.models.lora import LoraSettings
-from llmtrain.models.ring_attention import register_ring_attention
+from llmtrain.models.torch_context_parallel import register_cp_attention
 from llmtrain.models.ulysses import ulysses_attention
 from llmtrain.optim.spec import muon_spec
-from llmtrain.parallel import degree_of
+from llmtrain.parallel import degree_of, degrees_of
+from llmtrain.parallel.cp import cp_implementation
 from llmtrain.plan.core import RunPlan, check_backend_against_model
 from llmtrain.plan.fit import run_fit_problems
 from llmtrain.plan.report import plan_run
 from llmtrain.roles import ModelOptions, build_engines
 from llmtrain.run_metadata import run_metadata
+from llmtrain.spikes import SpikeRule, window_examples
 from llmtrain.stages.base import trainable_roles
 from llmtrain.stages.registry import build_stage, decide_attention, load_stage_data, stage_roles, stage_spec
 from llmtrain.trainer import Trainer, TrainerSettings
@@ -138,7 +142,8 @@ def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: st
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    (sp_rank, sp, sp_group), model_attn = sequence_parallel_attention(backend, attn)
+    cp_impl = cp_implementation(cfg.backend, ctx.device.type, packs_rows(cfg, attn), degrees_of(cfg.backend))
+    (sp_rank, sp, sp_group), model_attn = sequence_parallel_attention(backend, attn, cp_impl)
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(model_attn, m.dropout, m.activation_checkpointing,
@@ -157,7 +162,8 @@ def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: st
     settings = TrainerSettings(max_steps=t.max_steps, fetches_per_step=fetches,
                                global_batch_size=per_fetch * fetches * dp_size,
                                eval_every_n_steps=t.eval_every_n_steps, save_every_n_steps=t.save_every_n_steps,
-                               skip_nonfinite=t.skip_nonfinite, collective_timeout_s=t.collective_timeout_s)
+                               skip_nonfinite=t.skip_nonfinite, collective_timeout_s=t.collective_timeout_s,
+                               spike=SpikeRule.from_config(t.spike))
     trainer = Trainer(
         settings, ctx=ctx, stage=stage, engines=engines,
         train_batches=lambda start: train_batches(
@@ -167,14 +173,21 @@ def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: st
         eval_batches=None if data.eval is None else eval_batches(
             data.eval, batch_size=t.eval_batch_size or t.micro_batch_size, dp_rank=dp_rank,
             dp_size=dp_size, collate_fn=stage.collate),
-        checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx), config_yaml=config_yaml, sinks=[],
+        checkpointer=ckpt.Checkpointer(run_dir, t.keep_last_k, ctx, async_save=t.async_save),
+        config_yaml=config_yaml, sinks=[],
         prepare_batch=prepare_batch,
-        live=live_cost(ctx, plan.figures, engines, trainable_roles(stage.roles)))
+        live=live_cost(ctx, plan.figures, engines, trainable_roles(stage.roles)),
+        straggler=StragglerWatch(every=t.log_every_n_steps, threshold=t.straggler_threshold,
+                                 windows=t.straggler_windows, ctx=ctx),
+        window_examples=window_examples(data.train, settings.global_batch_size, t.seed, d.group_by_length))
     if resume_dir is not None:
         trainer.resume_from(resume_dir)
     trainer.sinks = _sinks(cfg, run_dir, trainer.step, resume_dir is not None, config_yaml) if ctx.is_main else []
     try:
-        if trainer.fit():  # False: stopped by a signal, saved; the run is not over
+        finished = trainer.fit()  # False: stopped by a signal, saved; the run is not over
+        if ctx.is_main:
+            log.info("%s", summary_line(run_dir))  # where the step time went (llmtrain/doctor.py)
+        if finished:
             export(stage, engines, tokenizer, run_dir, ctx)
         quiesce()  # before the engines (DDP's Reducer, DeepSpeed's groups) are released on return: see quiesce
     finally:
@@ -226,10 +239,12 @@ def fused_head(cfg: DictConfig, ctx: DistContext, config, tokenizer_size: int) -
     return m.loss_chunk_tokens, kernel
 
 
-def sequence_parallel_attention(backend, attn: str) -> tuple[tuple[int, int, object], str]:
+def sequence_parallel_attention(backend, attn: str, cp_implementation: str = "ring") -> tuple[tuple[int, int, object],
+                                                                                           str]:
     """((rank, size, group) of the cp × sp ranks sharing each row, the models' attention): with backend.cp > 1 ring
-    attention (models/ring_attention.py), with backend.sp > 1 the run's attention (or the ring) behind the Ulysses
-    exchange (models/ulysses.py), each registered under a name of this run's own; else `attn` itself."""
+    attention (models/ring_attention.py, or torch's with cp_implementation "torch": models/torch_context_parallel.py),
+    with backend.sp > 1 the run's attention (or the ring) behind the Ulysses exchange (models/ulysses.py), each
+    registered under a name of this run's own; else `attn` itself."""
     dims = getattr(backend, "dims", None)
     if dims is None or dims.row_size == 1:
         return (0, 1, None), attn
@@ -238,7 +253,7 @@ def sequence_parallel_attention(backend, attn: str) -> tuple[tuple[int, int, obj
                           f"context parallelism need {SEGMENT_ATTENTION} (model.attn_implementation="
                           f"{SEGMENT_ATTENTION}); set backend.sp=1 and backend.cp=1")
     if dims.cp > 1:
-        attn = register_ring_attention(dims.cp, dims.mesh("cp").get_group())
+        attn = register_cp_attention(cp_implementation, dims.cp, dims.mesh("cp"))
     if dims.sp > 1:
         attn = ulysses_attention(attn, dims.sp, dims.mesh("sp").get_group())
     return dims.sequence_parallel(), attn

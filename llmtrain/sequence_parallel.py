@@ -9,7 +9,8 @@ from typing import Any
 
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.load import local_model_config, unsupported_attention
-from llmtrain.parallel import row_degrees
+from llmtrain.parallel import degrees_of, row_degrees
+from llmtrain.parallel.cp import config_problems as cp_config_problems
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
 SP_ATTENTIONS = ("auto", SEGMENT_ATTENTION)  # the attention run on whole rows after the exchange (in the ring's blocks)
@@ -45,7 +46,14 @@ def sp_problems(cfg: Any) -> list[str]:
             if config is not None and unsupported_attention(SEGMENT_ATTENTION, config) is not None:
                 problems.append(f"{field}: {config.model_type} runs eager attention only in transformers "
                                 f"(no sdpa), which sequence and context parallelism cannot wrap; set {unset}")
-    return problems
+    return problems + cp_implementation_problems(cfg)
+
+
+def cp_implementation_problems(cfg: Any) -> list[str]:
+    """backend.cp_implementation=torch where torch's context parallelism cannot run (parallel/cp.py)."""
+    from llmtrain.distributed import resolve_device
+
+    return cp_config_problems(cfg, resolve_device(cfg.device).type, bool(cfg.data.packing), degrees_of(cfg.backend))
 
 
 def _stage_reason(spec) -> str:

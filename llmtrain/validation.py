@@ -14,11 +14,13 @@ from llmtrain.backends.pipeline_checks import run_problems as pipeline_problems
 from llmtrain.config import ConfigError, batch_problems, choice_problems, schema_problems
 from llmtrain.data.formats import FORMATS
 from llmtrain.data.prompts import PROMPT_FORMATS
+from llmtrain.metrics.straggler import straggler_problems
 from llmtrain.models.liger import fused_loss_problems
 from llmtrain.models.load import family_attention_problems, local_model_config
 from llmtrain.models.lora_checks import PEFT_METHODS, peft_problems, qlora_problems
 from llmtrain.optim.spec import OPTIMIZERS, optim_problems
 from llmtrain.sequence_parallel import sp_problems
+from llmtrain.spikes import spike_problems
 from llmtrain.stages.registry import stage_names, stage_roles, stage_spec
 
 DATA_FORMATS = (*FORMATS, *(f for f in PROMPT_FORMATS if f not in FORMATS))
@@ -74,6 +76,7 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems = schema_problems(cfg) + choice_problems(cfg, registry_choices())
     dp = data_parallel_size(cfg.backend, world_size)
     problems += batch_problems(cfg.trainer, dp)
+    problems += straggler_problems(cfg.trainer)
     problems += backend_problems(cfg.backend, world_size)
     problems += stage_problems(cfg, dp)
     problems += peft_problems(cfg.peft, cfg.backend, reference_off_adapters(cfg))
@@ -82,12 +85,24 @@ def config_problems(cfg: Any, world_size: int) -> list[str]:
     problems += pipeline_problems(cfg, stage_spec(cfg.stage.name))
     problems += head_problems(cfg)
     problems += optim_problems(cfg) + _backend_optimizer_problems(cfg)
+    problems += async_save_problems(cfg)
+    problems += spike_problems(cfg, backends_that("updates_in_clip"))
     return problems + qlora_problems(cfg, backends_that("loads_4bit_base"))
 
 
 def _backend_optimizer_problems(cfg: Any) -> list[str]:
     spec = BACKENDS.get(cfg.backend.name)
     return [] if spec is None or cfg.optim.name not in OPTIMIZERS else spec.optimizer_problems(cfg.backend, cfg)
+
+
+def async_save_problems(cfg: Any) -> list[str]:
+    """trainer.async_save on a backend without a background writer (BackendSpec.no_async_save says why)."""
+    spec = BACKENDS.get(cfg.backend.name)
+    if not cfg.trainer.async_save or spec is None or not spec.no_async_save:
+        return []
+    able = ", ".join(name for name, other in BACKENDS.items() if not other.no_async_save)
+    return [f"trainer.async_save=true with backend={cfg.backend.name}: {spec.no_async_save}; set "
+            f"trainer.async_save=false (or choose a backend that writes in the background: {able})"]
 
 
 def head_problems(cfg: Any) -> list[str]:

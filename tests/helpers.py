@@ -283,3 +283,11 @@ def vllm_environment() -> str:
                                capture_output=True, text=True, timeout=1800)
     assert built.returncode == 0, f"launch/vllm_env.sh failed:\n{built.stderr[-3000:]}"
     return built.stdout.strip().splitlines()[-1]
+
+
+def vllm_grpo_args(out: Path, *extra: str) -> list[str]:
+    """A short grpo_tiny run (from the sft_tiny base) through the vLLM engine, with a learning rate that moves the
+    weights; `extra` (its steps, the engine's URL, ...) after."""
+    return ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=8", "ppo.rollout.n_samples_per_prompt=4",
+            "ppo.rollout.max_new_tokens=8", "ppo.mini_batch_size=16", "trainer.micro_batch_size=8",
+            "trainer.eval_batch_size=16", "optim.lr=3e-3", "ppo.rollout.engine=vllm", f"output_dir={out}", *extra]

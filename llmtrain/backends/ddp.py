@@ -7,11 +7,14 @@ them over a group of one.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from llmtrain import checkpoint_async
 from llmtrain.backends import dims_for
 from llmtrain.backends.base import (
     OptimizerSpec,
@@ -24,6 +27,7 @@ from llmtrain.backends.base import (
     save_hf,
     trainable_state_dict,
 )
+from llmtrain.checkpoint_async import host_copy, in_background
 from llmtrain.distributed import DistContext
 from llmtrain.optim.build import build_optimizer
 from llmtrain.parallel import ParallelDims
@@ -98,16 +102,28 @@ class DDPEngine(ScaledOptimizerSteps):
         return generation_mode(self.model)  # the replicated model, outside DDP's wrapper: no collective
 
     def save_checkpoint(self, directory: Path) -> None:
+        checkpoint_async.write_files(directory, self._checkpoint_files(directory, copy=lambda state: state))
+
+    def save_checkpoint_async(self, directory: Path, group) -> list[Future]:
+        """Rank 0 copies the weights and optimizer state to host memory now and writes them on a thread (the
+        returned future). `group`: unused (no collective)."""
+        staged = self._checkpoint_files(directory, copy=host_copy)
+        return [in_background(partial(checkpoint_async.write_files, directory, staged))] if staged else []
+
+    def _checkpoint_files(self, directory: Path, copy) -> dict:
+        """Writes what is small now (a frozen role's pointer; rank 0: scheduler, scaler); returns rank 0's large
+        files (name -> state passed through `copy`), empty on other ranks."""
         if not self.trainable:
             save_frozen(directory, self.model, self.ctx.is_main)
-            return
-        if self.ctx.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            torch.save(trainable_state_dict(self.model), directory / "model.pt")  # LoRA: the adapters only
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
-            if self.scaler.is_enabled():
-                torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+            return {}
+        if not self.ctx.is_main:
+            return {}
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+        if self.scaler.is_enabled():
+            torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+        return {"model.pt": copy(trainable_state_dict(self.model)),  # LoRA: the adapters only
+                "optimizer.pt": copy(self.optimizer.state_dict())}
 
     def load_checkpoint(self, directory: Path) -> None:
         if not self.trainable:

@@ -31,6 +31,7 @@ class DeepSpeedConfig(BackendNode):
     zero_stage: int = 0
     sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py); ZeRO partitions over every rank (dp × cp × sp)
     cp: int = 1  # context parallelism: ring attention (models/ring_attention.py)
+    cp_implementation: str = "auto"  # ring | torch (torch's context_parallel, CUDA) | auto (parallel/cp.py)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     overlap_comm: bool = False

@@ -106,6 +106,14 @@ def optimizer_problems(backend: DeepSpeedConfig, cfg) -> list[str]:
     return problems
 
 
+# Measured with 0.19.8: its fast checkpoint engine writes synchronously through DeepNVMe, pinning a host buffer
+# (CPU-only torch cannot pin: "Cannot access accelerator device when none is available"); its decoupled engine
+# hands the state to a writer process that uses the same fast writer, and commits before the next optimizer step.
+NO_ASYNC_SAVE = ("DeepSpeed 0.19.8 has no background writer that works here: its fast checkpoint engine writes in "
+                 "the step through DeepNVMe with pinned host buffers (not on the CPU accelerator), and its "
+                 "decoupled engine uses that writer from a second process and waits for it at the next optimizer step")
+
+
 def row_name(backend: DeepSpeedConfig) -> str:
     offload = backend.offload_optimizer.device != "none" or backend.offload_param.device != "none"
     return f"zero{backend.zero_stage}" + ("_offload" if offload else "")
@@ -115,6 +123,6 @@ SPEC = BackendSpec(name="deepspeed", engine="llmtrain.backends.deepspeed:DeepSpe
                    config_class=DeepSpeedConfig,
                    presets=("deepspeed", "zero0", "zero1", "zero2", "zero3", "zero3_offload"),
                    compared=("zero1", "zero2", "zero3", "zero3_offload"), problems=deepspeed_problems,
-                   optimizer_problems=optimizer_problems,
+                   optimizer_problems=optimizer_problems, updates_in_clip=True,
                    layout=layout, row_name=row_name, holdings=holdings, collectives=collectives, gathers=gathers,
-                   frozen_in_compute_dtype=True)
+                   frozen_in_compute_dtype=True, no_async_save=NO_ASYNC_SAVE)

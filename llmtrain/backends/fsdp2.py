@@ -46,6 +46,7 @@ import contextlib
 import itertools
 import logging
 from collections import defaultdict
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -326,8 +327,25 @@ class FSDP2Engine(ScaledOptimizerSteps):
             save_frozen(directory, self.model, self.ctx.is_main)
             return
         directory.mkdir(parents=True, exist_ok=True)
+        dcp.save(self._dcp_state(), checkpoint_id=directory / "dcp")
+        self._save_scheduler(directory)
+
+    def save_checkpoint_async(self, directory: Path, group) -> list[Future]:
+        """As save_checkpoint, the shards through `dcp.async_save`: copied to host memory before it returns, written
+        by its thread, whose collectives run on `group` (checkpoint_async.checkpoint_group)."""
+        if not self.trainable:
+            save_frozen(directory, self.model, self.ctx.is_main)
+            return []
+        directory.mkdir(parents=True, exist_ok=True)
+        write = dcp.async_save(self._dcp_state(), checkpoint_id=directory / "dcp", process_group=group)
+        self._save_scheduler(directory)
+        return [write]
+
+    def _dcp_state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer or (), options=self._dcp_options())
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory / "dcp")
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def _save_scheduler(self, directory: Path) -> None:
         if self.ctx.is_main and self.scheduler is not None:
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
             if self.scaler.is_enabled():

@@ -27,6 +27,7 @@ class FSDP2Config(BackendNode):
     dp_shard: int = -1
     sp: int = 1  # Ulysses sequence parallelism (models/ulysses.py)
     cp: int = 1  # context parallelism: ring attention (models/ring_attention.py)
+    cp_implementation: str = "auto"  # ring | torch (torch's context_parallel, CUDA) | auto (parallel/cp.py)
     ep: int = 1  # expert parallelism, carved from dp_shard × tp (parallel/ep.py)
     tp: int = 1
     reshard_after_forward: bool = True

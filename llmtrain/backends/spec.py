@@ -51,6 +51,8 @@ class BackendSpec:
     optimizer_problems: Callable[[Any, Any], list[str]] = no_problems
     frozen_in_compute_dtype: bool = False  # a frozen role's weights in bf16/fp16 (else fp32)
     loads_4bit_base: bool = False  # QLoRA: holds a bitsandbytes 4-bit frozen base (sharding one is not wired up)
+    no_async_save: str = ""  # why trainer.async_save=true cannot run on it ("": it can: save_checkpoint_async)
+    updates_in_clip: bool = False  # clip_or_fused_step applies the update: no skip once the loss is known
 
     def fields(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self.config_class))

@@ -125,7 +125,7 @@ def eager_score_bytes(elem: int, softcapping: bool = False) -> int:
 
 def gated_activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, intermediate: int, kv_heads: int,
                                      tp: int = 1, elem: int = 2, scores: bool = True,
-                                     softcapping: bool = False) -> float:
+                                     softcapping: bool = False, concat_outputs: bool = False) -> float:
     """A Llama-style block (RMSNorm, GQA, rotary, SwiGLU MLP, no dropout), counted from what autograd saves (measured
     with saved-tensor hooks, metrics/live.py): per token, two RMSNorms keep their input, the normalised and the
     weighted output (3h) and 1/rms (1) each — the input of the second is the attention residual, of the first the
@@ -139,16 +139,21 @@ def gated_activation_bytes_per_layer(b: int, s: int, h: int, a: int, *, intermed
 
     `scores` (eager attention, the resolved attention of a family without sdpa such as Gemma-2): the (b, a, s, s)
     scores, b·a·s²·eager_score_bytes(elem, softcapping) bytes (t splits the heads); k and v are kept repeated to every
-    head (repeat_kv copies them before the matmuls: 2·a·(h/a) for 2kv) and there is no logsumexp (a)."""
+    head (repeat_kv copies them before the matmuls: 2·a·(h/a) for 2kv) and there is no logsumexp (a).
+
+    `concat_outputs` (packed rows through per-sample attention: models/attention.py's sdpa_segments, the ring of
+    ring_attention.py): each sample's attention output is kept by its kernel and their concatenation by o_proj, one
+    more h/t per token (measured: 3,145 against 3,017 elements per token and layer for the tiny Llama)."""
     kv = (a if scores else kv_heads) * (h // a)
-    per_token = 6 * h + 2 + (2 * h + 2 * kv + 4 * intermediate + (0 if scores else a)) / tp
+    attention_outputs = 2 if concat_outputs else 1
+    per_token = 6 * h + 2 + ((1 + attention_outputs) * h + 2 * kv + 4 * intermediate + (0 if scores else a)) / tp
     kept = b * a * s * s * eager_score_bytes(elem, softcapping) / tp if scores else 0.0
     return s * b * per_token * elem + kept
 
 
 def activation_bytes(b: int, s: int, h: int, a: int, layers: int, *, checkpointing: bool, tp: int = 1,
                      elem: int = 2, scores: bool = True, intermediate: int | None = None,
-                     kv_heads: int | None = None, softcapping: bool = False) -> float:
+                     kv_heads: int | None = None, softcapping: bool = False, concat_outputs: bool = False) -> float:
     """All layers, plus the embedding output (2·s·b·h). Checkpointing keeps each block's input (2·s·b·h) and, in
     backward, one block's full activations at a time (its recompute). With `intermediate` (a gated, Llama-style
     block) the layer is `gated_activation_bytes_per_layer`, whose count holds the block input already, and the final
@@ -156,7 +161,8 @@ def activation_bytes(b: int, s: int, h: int, a: int, layers: int, *, checkpointi
     block_input = 2 * s * b * h * elem / 2
     if intermediate:
         layer = gated_activation_bytes_per_layer(b, s, h, a, intermediate=intermediate, kv_heads=kv_heads or a,
-                                                 tp=tp, elem=elem, scores=scores, softcapping=softcapping)
+                                                 tp=tp, elem=elem, scores=scores, softcapping=softcapping,
+                                                 concat_outputs=concat_outputs)
         outside = s * b * (3 * h + 1) * elem
         return (layers * block_input + layer if checkpointing else layers * layer) + outside
     layer = activation_bytes_per_layer(b, s, h, a, tp=tp, elem=elem, scores=scores)

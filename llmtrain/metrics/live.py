@@ -8,8 +8,9 @@ activations + logits at the shape the peak forward really had (metrics/cost.py's
 
 Flat keys for metrics.jsonl (`memory_r<rank>_activations` next to `memory_r<rank>_plan_activations` at that
 rank's shape `memory_r<rank>_activation_rows` × `_seq`, `memory_r<rank>_rss_peak`, `plan_memory_state`,
-`plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`); W&B shows them under
-memory/ and perf/. After `steps` steps every hook is removed: nothing is measured or logged later.
+`plan_memory_activations` (rank 0's), `comm_r<rank>_...` next to `plan_comm_...`, `mfu`, on step 1 the planner's
+`plan_step_time_s` where it predicted one); W&B shows them under memory/ and perf/. After `steps` steps every hook
+is removed: nothing is measured or logged later.
 
 Under a pipeline (backend.pp > 1) every figure is the rank's own: the meter watches the stage modules this rank runs
 (every virtual stage), which the schedule calls (the rank's whole model is never called), and `activations` is the
@@ -196,6 +197,7 @@ class PlanFigures:
     peak_flops: float | None  # the device's dense 16-bit peak (plan.gpu / plan.peak_tflops); None: no MFU
     comm: dict  # `<kind>_payload` / `<kind>_wire` of one step (metrics/cost.py `communication`)
     pipeline: tuple[PipelineRankFigures, ...] = ()  # backend.pp > 1: per pp rank
+    step_s: float | None = None  # the planner's step time (a GPU with a known peak; None: no prediction)
 
     def for_pp_rank(self, rank: int) -> PlanFigures:
         """This pp rank's figures: its model states and its activations in flight in place of the whole model's."""
@@ -248,6 +250,8 @@ class LiveCost:
         out.update({"plan_memory_state": state, "plan_memory_gathered": self.plan.gathered_bytes,
                     "plan_memory_activations": out["memory_r0_plan_activations"]})
         out.update(self._comm(counter))
+        if self.plan.step_s is not None and step == 1:  # once: what llmtrain.doctor compares the step time with
+            out["plan_step_time_s"] = self.plan.step_s
         if self.plan.peak_flops:  # this rank's trained tokens (with padding) over its own time
             out["mfu"] = meter.tokens * self.plan.flops_per_token / (step_time * self.plan.peak_flops)
             out["hfu"] = meter.tokens * self.plan.hardware_flops_per_token / (step_time * self.plan.peak_flops)

@@ -94,7 +94,7 @@ class ConsoleSink:
 def _format(record: dict[str, Any]) -> str:
     parts = []
     for key, value in record.items():
-        if key.startswith("memory_"):  # per-rank byte ledgers: in metrics.jsonl, too long for a console line
+        if key.startswith(("memory_", "time_r")):  # per-rank ledgers: in metrics.jsonl, too long for a console line
             continue
         if isinstance(value, float):
             value = f"{value:.4g}" if math.isfinite(value) else str(value)
@@ -106,7 +106,8 @@ def _format(record: dict[str, Any]) -> str:
 # of them claims is in the stage's own group (its spec's `metric_group`: reward/, dpo/, ppo/; pretrain and SFT: train/).
 WANDB_EXACT = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                "skipped_steps": "train/skipped_steps", "tokens": "train/tokens", "pairs": "train/pairs",
-               "samples": "train/samples", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "hfu": "perf/hfu"}
+               "samples": "train/samples", "step_time_s": "perf/step_time_s",
+               "plan_step_time_s": "perf/plan_step_time_s", "mfu": "perf/mfu", "hfu": "perf/hfu"}
 WANDB_PATTERNS = tuple((re.compile(pattern), name) for pattern, name in (
     (r"^eval_(.+)", r"eval/\1"),
     (r"^plan_memory_(.+)", r"memory/plan_\1"),
@@ -115,8 +116,12 @@ WANDB_PATTERNS = tuple((re.compile(pattern), name) for pattern, name in (
     (r"^plan_comm_(.+)", r"comm/plan_\1"),
     (r"^comm_(.+)", r"comm/\1"),
     (r"^(.+_per_s)$", r"perf/\1"),
+    # where the step time went (metrics/timing.py, metrics/straggler.py): time/data_s, time/r1_busy_s, ...
+    (r"^time_((?:data|compute|optim|comm|ckpt|eval|other)_s|r\d+_.+)$", r"time/\1"),
+    (r"^(straggler_.+)$", r"time/\1"),
+    (r"^(spikes?|spike_.+)$", r"train/\1"),  # loss spikes (llmtrain/spikes.py), whatever the stage
 ))
-WANDB_GROUPS = ("train/", "eval/", "perf/", "memory/", "comm/")
+WANDB_GROUPS = ("train/", "eval/", "perf/", "memory/", "comm/", "time/")
 WANDB_STEP = "train/step"  # every row carries it; every group is plotted against it (define_metric)
 
 

@@ -9,11 +9,40 @@ standard way, the same path a Llama tokenizer takes. Rebuild with
 
 from pathlib import Path
 
+# Plain messages render as `<|role|>\ncontent<|end|>\n`. Tools, tool calls and tool results render in Qwen3's format
+# (a `<tools>` block of JSON schemas in the system turn, `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` in
+# the assistant's turn, consecutive results as `<tool_response>` blocks in one user turn), so TRL's Qwen3 response
+# parser reads the calls (stages/ppo/tools/parsing.py); a conversation without tools renders as it always did.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|system|>\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|user|>' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] | string + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
+    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' }}{{- message['content'] }}{{- '<|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"]
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"

@@ -5,7 +5,12 @@ backward. No head count limits it. With sp (Ulysses) inside it: sp peers split a
 heads, and the ring runs on the cp rank's tokens of the sp rank's heads. Between dp_shard and sp in the mesh (its
 point-to-point sends are fewer bytes per step than sp's all-to-alls); cp peers hold the same weights (fully_shard
 folds them into dp_shard: ParallelDims' row views) and read the same examples. The attention wrapper is applied where
-attention is resolved (run.py, llmtrain/sequence_parallel.py); the config's checks: llmtrain/sequence_parallel.py."""
+attention is resolved (run.py, llmtrain/sequence_parallel.py); the config's checks: llmtrain/sequence_parallel.py.
+
+`backend.cp_implementation` picks the ring: `ring` (llmtrain's, above), `torch` (torch's context parallelism, its
+SDPA kernels dispatched on DTensors: models/torch_context_parallel.py; refused where it cannot run, `torch_cp_blocker`
+says why), `auto` = the ring. torch's path has not run on a GPU yet (tests/gpu/test_context_parallel.py compares the
+two on the same batch): until it has, `auto` does not pick it, and `torch` is the user's explicit choice."""
 
 from __future__ import annotations
 
@@ -61,7 +66,53 @@ def plan_line(st: Any, row: Any) -> str:
             f"(2 zig-zag chunks; {lay.cp - 1} key/value sends per layer forward)")
 
 
-CP = register(Dimension(name="cp", position=25, same_data=True, shares_rows=True,
+CP_IMPLEMENTATIONS = ("auto", "ring", "torch")
+
+
+def torch_cp_blocker(device_type: str, packed: bool, degrees: dict) -> str | None:
+    """Why torch's context parallelism cannot run this layout (None: it can). Its ring dispatches only CUDA's SDPA
+    kernels (flash, memory-efficient, cuDNN; the CPU flash kernel has no sharding strategy), causal attention with
+    no mask (so no packed rows), on plain tensors of one cp mesh: Ulysses' and tp's heads around it have never run."""
+    if device_type != "cuda":
+        return (f"on {device_type} torch's ring has no kernel (it dispatches CUDA's SDPA kernels only; "
+                "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy)")
+    if packed:
+        return "data.packing=true puts several samples in a row, and torch's ring attends causally with no mask"
+    for name in ("sp", "tp"):
+        if degrees.get(name, 1) > 1:
+            return f"backend.{name}={degrees[name]}: torch's ring inside {name}'s head split has never been run"
+    return None
+
+
+def cp_implementation(backend: Any, device_type: str, packed: bool, degrees: dict) -> str:
+    """"ring" or "torch": what backend.cp_implementation (absent: auto) runs on this device and layout."""
+    requested = getattr(backend, "cp_implementation", "auto")
+    return "ring" if requested == "auto" else requested  # auto: the ring, the path tested here (module docstring)
+
+
+def implementation_problems(backend: Any, degrees: dict) -> list[str]:
+    """backend.cp_implementation's value, and `torch` where no cp runs (Dimension.problems: degrees alone)."""
+    requested = getattr(backend, "cp_implementation", "auto") if backend is not None else "auto"
+    if requested not in CP_IMPLEMENTATIONS:
+        return [f"backend.cp_implementation={requested}: not one of {' | '.join(CP_IMPLEMENTATIONS)}; set "
+                "backend.cp_implementation=auto"]
+    if requested == "torch" and degrees["cp"] <= 1:
+        return [f"backend.cp_implementation=torch with backend.cp={degrees['cp']}: there is no context parallelism "
+                "to run; set backend.cp=2 (or more) or backend.cp_implementation=auto"]
+    return []
+
+
+def config_problems(cfg: Any, device_type: str, packed: bool, degrees: dict) -> list[str]:
+    """backend.cp_implementation=torch where torch's context parallelism cannot run (torch_cp_blocker), on every rank
+    before any model loads."""
+    if getattr(cfg.backend, "cp_implementation", "auto") != "torch" or degrees.get("cp", 1) <= 1:
+        return []
+    why = torch_cp_blocker(device_type, packed, degrees)
+    return [] if why is None else [f"backend.cp_implementation=torch with backend.cp={degrees['cp']}: {why}; set "
+                                   "backend.cp_implementation=ring (or auto, which picks the ring here)"]
+
+
+CP = register(Dimension(name="cp", position=25, same_data=True, shares_rows=True, problems=implementation_problems,
                         arch_problems=arch_problems, facts_problems=facts_problems,
                         collectives=collectives, plan_line=plan_line,
                         elsewhere="DDP keeps whole rows on every rank"))

@@ -122,6 +122,7 @@ class Setting:
     head_positions: int | None = None  # positions per row through the LM head (RL: the A + 1 response ones); None: all
     rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
     scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
+    concat_outputs: bool = False  # packed rows through per-sample attention (sdpa_segments, the ring): + h/t a token
 
     @property
     def fused_head(self) -> bool:
@@ -151,7 +152,7 @@ def _per_micro(st: Setting, layout: Layout, b: int) -> tuple[float, float]:
     seq = -(-st.seq // layout.row_split)  # context / sequence parallelism: each rank's shard of every row
     act = activation_bytes(rows, seq, f.hidden, f.heads, f.layers, checkpointing=st.checkpointing,
                            tp=layout.tp, elem=elem, scores=st.scores, intermediate=f.mlp_width, kv_heads=f.kv_heads,
-                           softcapping=f.softcapping)
+                           softcapping=f.softcapping, concat_outputs=st.concat_outputs)
     return trainable * act, trainable * head_bytes(st, rows, seq, vocab_split(st, layout))[1]
 
 
@@ -280,6 +281,8 @@ def planned_attention(cfg: DictConfig, gpu: Gpu, precision: str, facts: ModelFac
 
 
 def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
+    from llmtrain.models.attention import SEGMENT_ATTENTION
+
     attn = planned_attention(cfg, gpu, precision, facts)
     lora = lora_trainable(cfg)
     spec, roles = stage_spec(cfg.stage.name), stage_roles(cfg)
@@ -296,7 +299,8 @@ def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelF
                    rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
                    head_loss_sum=spec.token_losses or bool(rl and rl.token_loss),
                    head_positions=rl.max_new_tokens + 1 if rl else None,
-                   optim_floats=state_floats_per_param(cfg.optim.name, muon_share), muon_share=muon_share)
+                   optim_floats=state_floats_per_param(cfg.optim.name, muon_share), muon_share=muon_share,
+                   concat_outputs=attn == SEGMENT_ATTENTION and bool(cfg.data.packing))
 
 
 def planned_head_chunk(m, facts: ModelFacts) -> int | None:
@@ -365,7 +369,8 @@ class RunPlan:
 def stage_activations(st: Setting, layout: Layout) -> StageActivations:
     """The pipeline's per-stage activation count for this setting on this layout (tp splits the blocks)."""
     return StageActivations(st.facts, st.checkpointing, 2 if st.precision in ("bf16", "fp16") else 4, layout.tp,
-                            st.scores, lambda rows, seq: head_bytes(st, rows, seq, vocab_split(st, layout))[0])
+                            st.scores, lambda rows, seq: head_bytes(st, rows, seq, vocab_split(st, layout))[0],
+                            st.concat_outputs)
 
 
 def pipelined_head(st: Setting) -> int:
@@ -401,7 +406,7 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Coll
         as if all were alive at once)."""
         return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
                                  elem=elem, scores=st.scores, intermediate=facts.mlp_width, kv_heads=facts.kv_heads,
-                                 softcapping=facts.softcapping)
+                                 softcapping=facts.softcapping, concat_outputs=st.concat_outputs)
                 + head_bytes(st, rows, seq, vocab_split(st, row.layout))[0])
 
     # a rank's share of one token's FLOPs: its tp peers and pp stages compute the same tokens (dp and sp peers split
@@ -415,4 +420,5 @@ def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Coll
                        gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
                        flops_per_token=model, hardware_flops_per_token=model + recompute,
                        peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
-                       comm=planned([*row.comm, *p2p]), pipeline=pipeline)
+                       comm=planned([*row.comm, *p2p]), pipeline=pipeline,
+                       step_s=row.times["step_s"] if row.times else None)

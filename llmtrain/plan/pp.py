@@ -235,12 +235,13 @@ class StageActivations:
     tp: int
     scores: bool
     head_held: Callable[[int, int], float]  # (rows, seq) -> the head's bytes held to backward (plan.head_bytes' first)
+    concat_outputs: bool = False  # packed rows through per-sample attention (metrics/cost.py)
 
     def _all_blocks(self, rows: int, seq: int, blocks: int, checkpointing: bool) -> float:
         f = self.facts
         return activation_bytes(rows, seq, f.hidden, f.heads, blocks, checkpointing=checkpointing, tp=self.tp,
                                 elem=self.elem, scores=self.scores, intermediate=f.mlp_width, kv_heads=f.kv_heads,
-                                softcapping=f.softcapping)
+                                softcapping=f.softcapping, concat_outputs=self.concat_outputs)
 
     def chunk(self, layout: PipelineLayout, stage: int, rows: int, seq: int) -> float:
         """One micro-batch through `stage`: its blocks (their inputs only, under checkpointing), and on the last stage

@@ -68,15 +68,21 @@ def _size(value: float) -> str:
     return f"{value / GIB:.3g}"
 
 
-COLUMNS = ("backend", "weights", "grads", "optim", "gathered", "activ.", "logits", "total", "fits", "max micro",
-           "off-device", "comm GB", "step s", "MFU", "formula")
+COLUMNS = ("backend", "degrees", "weights", "grads", "optim", "gathered", "activ.", "logits", "total", "fits",
+           "max micro", "off-device", "comm GB", "step s", "MFU", "formula")
+
+
+def degrees(layout) -> str:
+    """The row's parallel degrees, dp always and the others where > 1: `dp2·cp4·sp2`, `dp8·ep8`, `dp4·tp2`."""
+    named = {"dp": layout.dp, "tp": layout.tp, "cp": layout.cp, "sp": layout.sp, "ep": layout.ep}
+    return "·".join(f"{name}{value}" for name, value in named.items() if name == "dp" or value > 1)
 
 
 def row_cells(row: Row, memory_gib: float) -> list[str]:
     s = row.states.values()
     off = sum(x.host + x.nvme for x in s)
     t = row.times
-    return [row.layout.name, _size(sum(x.weights for x in s)), _size(sum(x.grads for x in s)),
+    return [row.layout.name, degrees(row.layout), _size(sum(x.weights for x in s)), _size(sum(x.grads for x in s)),
             _size(sum(x.master + x.optim for x in s)), _size(sum(x.gathered for x in s)), _size(row.activations),
             _size(row.logits), _size(row.device_bytes), f"{'yes' if row.fits else 'NO'} ({memory_gib:.0f})",
             str(row.max_micro), _size(off) if off else "-", f"{sum(c.wire for c in row.comm) / 1e9:.3g}",

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import torch
 
 from llmtrain.distributed import all_reduce_sum
+from llmtrain.metrics.timing import NoClock
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,14 @@ class Updater:
     count (target tokens for LM, pairs for RM/DPO, action tokens for PPO), counted on the host before the
     first forward: not a mean of per-micro-batch means. A non-finite loss or grad norm stops every rank
     together (NonFiniteError) or, with `skip_nonfinite`, skips the update; both values are reduced over
-    all ranks, so every rank takes the same branch.
+    all ranks, so every rank takes the same branch. A loss spike (trainer.spike, llmtrain/spikes.py) may skip it too.
     """
 
     def __init__(self, device: torch.device, skip_nonfinite: bool, skipped_steps: int = 0):
         self.device, self.skip_nonfinite, self.skipped_steps = device, skip_nonfinite, skipped_steps
         self.step = 0  # the optimizer step being taken (1-based), set by the trainer: named in errors
+        self.clock = NoClock()  # the trainer's StepClock (metrics/timing.py): the optimizer's share of the step
+        self.spikes = None  # a SpikeMonitor (llmtrain/spikes.py) under trainer.spike, set by the trainer
 
     def update(self, engine, micro_batches: Sequence, micro_loss: MicroLoss, local_count: float,
                num_stats: int = 0) -> StepResult:
@@ -151,14 +154,19 @@ class Updater:
                 totals += torch.cat([loss_sum.detach().float().reshape(1), term.detach().float().reshape(1),
                                      stats.detach().float().reshape(-1)])
         totals = all_reduce_sum(totals, engine.dp_group)
+        self.clock.enter("optim")  # clipping, the optimizer step and the one sync: left before the return
         lr = engine.current_lr()  # this step's lr: read before clip_or_fused_step (DeepSpeed updates there)
         values = to_host(*totals, engine.clip_or_fused_step())  # one device sync for all of them
         loss, sums, grad_norm = values[0] * inverse + values[1] * share, values[2:-1], values[-1]
         applied = math.isfinite(loss) and (math.isfinite(grad_norm) or engine.skips_nonfinite_grads)
-        if applied:
+        if applied and self.spikes is not None and not self.spikes.accept(loss, grad_norm):
+            applied = False
+            engine.skip_step()  # a spike under trainer.spike.policy=skip or rollback (llmtrain/spikes.py)
+        elif applied:
             engine.step()
         else:
             self._nonfinite(engine, loss, grad_norm)
+        self.clock.leave()
         return StepResult(loss, grad_norm, lr, global_count, sums, applied)
 
     def _nonfinite(self, engine, loss: float, grad_norm: float) -> None:

@@ -38,6 +38,9 @@ RUNS = {  # name -> (nproc, overrides); each resumed run after the run whose ste
     "single_accum16": (1, [*PARITY, "trainer.micro_batch_size=1", "trainer.grad_accum_steps=16"]),
     **{f"resumed_{n}": (n, [*resume_args(n), f"resume={{root}}/straight_{n}/checkpoints/step_6", "data.num_workers=2"])
        for n in (1, 2)},
+    # trainer.async_save: rank 0's host copy written on a thread while steps 7.. train, resumed (saving so too)
+    "async_2": (2, [*resume_args(2), "trainer.async_save=true"]),
+    "resumed_async_2": (2, [*resume_args(2), "trainer.async_save=true", "resume={root}/async_2/checkpoints/step_6"]),
 }
 
 
@@ -77,13 +80,16 @@ def test_accumulation_does_not_change_the_step(runs, assert_close_series):
                         1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_bitwise_resume(runs, nproc):
+@pytest.mark.parametrize("nproc,saved", [(1, "straight"), (2, "straight"), (2, "async")])
+def test_bitwise_resume(runs, nproc, saved):
     """12 steps straight vs the same run's step-6 checkpoint resumed in a later run (other runs between): identical
-    losses. Accumulation 2, dropout 0.1, mid-epoch; the resumed half also uses 2 data workers."""
-    straight, resumed = runs(f"straight_{nproc}"), runs(f"resumed_{nproc}")
+    losses. Accumulation 2, dropout 0.1, mid-epoch; the resumed half also uses 2 data workers. `async`: checkpoints
+    written in the background (trainer.async_save); that run itself equals the straight one bit for bit."""
+    straight, resumed = runs(f"{saved}_{nproc}"), runs(f"resumed_{nproc}" if saved == "straight" else "resumed_async_2")
     reference = read_metrics(straight)[0]
     continued = read_metrics(resumed)[0]
+    synchronous = read_metrics(runs(f"straight_{nproc}"))[0]
+    assert [(r["loss"], r["grad_norm"]) for r in reference] == [(r["loss"], r["grad_norm"]) for r in synchronous]
     assert [r["step"] for r in continued] == list(range(7, 13))
     assert [r["loss"] for r in continued] == [r["loss"] for r in reference[6:]]
     assert [r["grad_norm"] for r in continued] == [r["grad_norm"] for r in reference[6:]]

@@ -107,8 +107,10 @@ def assert_resumes_bitwise(out: Path, straight: Path, step: int) -> None:
 
 
 def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank_and_exits_0(straight, tmp_path):
+    """With trainer.async_save=true: the stop path waits for the background write and makes step_6 complete and
+    `latest` before exiting (the launcher's SIGTERM test below saves synchronously)."""
     out = tmp_path / "run"
-    result = torchrun_sh(out, LLMTRAIN_TEST_FAULT="rank=1,step=6,signal=TERM")
+    result = torchrun_sh(out, "trainer.async_save=true", LLMTRAIN_TEST_FAULT="rank=1,step=6,signal=TERM")
     assert_ok(result)  # every rank exited 0, so torchrun did too (and restarted nothing)
     assert "SIGTERM received: saving a checkpoint at the end of this step" in result.stderr
     assert stopped_at(result.stderr) == 6
@@ -177,6 +179,25 @@ def test_a_save_cut_short_is_ignored_and_the_previous_checkpoint_resumes(straigh
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_10", "step_12", "step_5"]
     assert json.loads((checkpoints / "step_10" / "trainer.json").read_text())["parent"] == "step_5"
+
+
+def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_from_it(straight, tmp_path):
+    """trainer.async_save=true: rank 0 is SIGKILLed on the thread writing step 10 (its files written, training on
+    at step 11, no restart): step_10 is only the hidden temp folder, step_5 is complete and `latest`; a plain
+    relaunch resumes from step_5 and matches the straight (synchronous) run bit for bit."""
+    out = tmp_path / "run"
+    crashed = torchrun_sh(out, "trainer.async_save=true", MAX_RESTARTS="0",
+                          LLMTRAIN_TEST_FAULT="rank=0,step=10,signal=KILL,at=write")
+    assert crashed.returncode != 0 and "test fault: SIGKILL to self at write 10" in crashed.stderr
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp_step_10", "latest", "step_5"]
+    assert (checkpoints / ".tmp_step_10" / "engines" / "policy" / "model.pt").is_file()  # written, never made visible
+    assert latest(out) == "step_5" and (checkpoints / "step_5" / "COMPLETE").is_file()
+    again = torchrun_sh(out, "trainer.async_save=true")
+    assert_ok(again)
+    assert f"resumed from {out}/checkpoints/step_5 at step 5" in again.stderr, again.stderr[-3000:]
+    assert losses(out) == losses(straight) and train_steps(out) == list(range(1, 13))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_10", "step_12", "step_5"]
 
 
 def test_deepspeed_launcher_trains_stops_on_sigterm_and_resumes_bitwise(straight, tmp_path):

@@ -55,6 +55,7 @@ CONTENDERS = {
     "hsdp": (4, 2, ["backend=fsdp2", "backend.dp_replicate=2"]),  # 2 replicas × 2 shards
     "dp1": (1, 8, ["backend=fsdp2"]),
     "fsdp2_accum1": (2, 8, ["backend=fsdp2", "trainer.grad_accum_steps=1"]),  # no accumulation: equal to "fsdp2"
+    "fsdp2_async": (2, 4, ["backend=fsdp2", "trainer.async_save=true"]),  # saves written in the background (DCP)
     **{f"{name}_muon": (nproc, micro, [backend, "optim=muon"])  # Muon's momentum through DCP, resharded to dp1
        for name, nproc, micro, backend in [("ddp", 2, 4, "backend=ddp"), ("fsdp2", 2, 4, "backend=fsdp2"),
                                            ("dp1", 1, 8, "backend=fsdp2")]},
@@ -80,7 +81,7 @@ def contender_args(name: str, model_dir: Path, out_dir: Path, *extra: str) -> tu
 RESUMED = {f"{source}_as_{name}": (source, name) for source, name in [
     ("fsdp2", "fsdp2"), ("fsdp2_tp", "fsdp2_tp"), ("hsdp", "hsdp"), ("dp2_tp2", "dp2_tp2"),  # same topology
     ("fsdp2", "dp1"), ("fsdp2", "dp2_tp2"),  # resharded
-    ("fsdp2_muon", "fsdp2_muon"), ("fsdp2_muon", "dp1_muon")]}
+    ("fsdp2_muon", "fsdp2_muon"), ("fsdp2_muon", "dp1_muon"), ("fsdp2_async", "fsdp2_async")]}
 TIED = ["recipe=sft_tiny", "model.from_config.tie_word_embeddings=true", "trainer.eval_every_n_steps=0",
         "data.eval_files=[]", "trainer.log_every_n_steps=0", "optim.lr=1e-3", "trainer.max_steps=3",
         "trainer.grad_accum_steps=1", "trainer.global_batch_size=16", "trainer.save_every_n_steps=0"]
@@ -95,7 +96,7 @@ def launches(root: Path, models: dict[str, Path]) -> list[tuple[int, list[tuple[
     (the 4-rank ones also their own launch's, saved earlier in it)."""
     batches = {2: [], 4: [], 1: []}
     for model, name in [("llama", "ddp"), ("qwen2", "ddp"), *PARITY, ("llama", "fsdp2_accum1"), ("llama", "ddp_muon"),
-                        ("llama", "fsdp2_muon")]:
+                        ("llama", "fsdp2_muon"), ("llama", "fsdp2_async")]:
         args, nproc = contender_args(name, models[model], root / f"{model}_{name}")
         batches[nproc].append((f"{model}_{name}", args))
     for tied, (micro, backend) in TIED_RUNS.items():
@@ -147,11 +148,18 @@ def test_accumulation_does_not_change_the_step(runs, assert_close_series):
     assert_close_series(ours, reference, "grad_norm", 1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp", "hsdp", "dp2_tp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp", "hsdp", "dp2_tp2", "fsdp2_async"])
 def test_bitwise_resume_same_topology(runs, name):
+    """fsdp2_async (trainer.async_save): its step-5 checkpoint was written by DCP's thread while steps 6.. trained;
+    that run, and the run resumed from it (saving in the background too), equal the synchronous run bit for bit."""
     reference, continued = resume(runs, name, name)
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in continued] == [r[key] for r in reference]
+    if name == "fsdp2_async":
+        synchronous, background = (read_metrics(runs(f"llama_{run}"))[0] for run in ("fsdp2", "fsdp2_async"))
+        assert [(r["loss"], r["grad_norm"]) for r in background] == [(r["loss"], r["grad_norm"]) for r in synchronous]
+        assert sorted(p.name for p in (runs("fsdp2_async_as_fsdp2_async") / "checkpoints").iterdir()) == \
+            ["latest", "step_10"]  # the resumed run's own save, finalised at the end of fit
 
 
 @pytest.mark.parametrize("name", ["dp1", "dp2_tp2"])

@@ -18,7 +18,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from llmtrain.stages.ppo.engines.http import call
-from tests.helpers import PYTHON, REPO, TOKENIZER_DIR, cli_env, read_metrics, run_cli, save_tiny_model
+from tests.helpers import PYTHON, REPO, TOKENIZER_DIR, cli_env, read_metrics, run_cli, save_tiny_model, vllm_grpo_args
 
 pytestmark = pytest.mark.dist
 
@@ -26,11 +26,7 @@ STEPS = 2
 
 
 def grpo_args(out: Path, *extra: str) -> list[str]:
-    """A short grpo_tiny run (from the sft_tiny base) with a learning rate that moves the weights."""
-    return ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=8", "ppo.rollout.n_samples_per_prompt=4",
-            "ppo.rollout.max_new_tokens=8", "ppo.mini_batch_size=16", "trainer.micro_batch_size=8",
-            f"trainer.max_steps={STEPS}", f"trainer.eval_every_n_steps={STEPS}", "trainer.eval_batch_size=16",
-            "optim.lr=3e-3", "ppo.rollout.engine=vllm", f"output_dir={out}", *extra]
+    return vllm_grpo_args(out, f"trainer.max_steps={STEPS}", f"trainer.eval_every_n_steps={STEPS}", *extra)
 
 
 def trainer_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -6,6 +6,7 @@ start."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,7 @@ def short(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ppo_short")
     (root / "my_rewards.py").write_text(USER_REWARDS.format(calls=str(root / "calls.jsonl")))
     reward_dir = tiny_reward_model(root)
+    server = ReversalServer()
     runs = {"user_fn": ["recipe=ppo_tiny", "ppo.reward.function=my_rewards:score"],
             "rm_dir": ["recipe=ppo_tiny", "ppo.reward.function=null", f"ppo.reward.model={reward_dir}",
                        "ppo.reward.normalize=true", "ppo.critic.init=reward"],
@@ -127,13 +129,69 @@ def short(tmp_path_factory) -> Path:
             "lora": ["recipe=ppo_tiny", "peft=lora", "peft.r=4"],
             "beta_zero": ["recipe=grpo_tiny", "ppo.kl.coef=0"],
             "beta_adaptive": ["recipe=grpo_tiny", "trainer.max_steps=3", "ppo.kl.coef=0.05", "ppo.kl.target=1e-6",
-                              "ppo.kl.horizon=160", "optim.lr=1e-3"]}
+                              "ppo.kl.horizon=160", "optim.lr=1e-3"],
+            # the reversal reward from a server at weight -1 beside the same function at +1
+            "server": ["recipe=grpo_tiny", f"ppo.reward.url={server.url}", "ppo.reward.url_weight=-1",
+                       "ppo.reward.url_batch_size=5"]}
     env = cli_env(PYTHONPATH=f"{root}:{Path(__file__).resolve().parents[2]}")
-    results = run_cli_jobs({name: {"args": [args[0], *SHORT, *args[1:], f"output_dir={root / name}"], "env": env}
-                            for name, args in runs.items()})
+    try:
+        results = run_cli_jobs({name: {"args": [args[0], *SHORT, *args[1:], f"output_dir={root / name}"], "env": env}
+                                for name, args in runs.items()})
+    finally:
+        server.close()
+    (root / "server_requests.json").write_text(json.dumps(server.requests))
     for result in results.values():
         assert_ok(result)
     return root
+
+
+class ReversalServer:
+    """A reward server on 127.0.0.1 scoring with the reversal task's function (ppo.reward.url), keeping each request."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from llmtrain.rewards.reversal import score
+
+        requests = self.requests = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                requests.append(body)
+                data = json.dumps({"rewards": score(body["prompts"], body["responses"], **body["columns"])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_reward_server_scores_as_the_function_it_serves(short):
+    """ppo.reward.url (OpenRLHF's remote reward model) serving the reversal function, weighted -1 beside the function
+    at +1: on the same responses its mean equals the function's and every sample's total is exactly 0; each rank
+    posted its 16 responses in batches of 5 with the query text as the model saw it."""
+    train, _ = read_metrics(short / "server")
+    assert len(train) == 2
+    for r in train:
+        assert r["score_remote"] == r["score_fn_score"] and r["score"] == 0.0 and r["score_std"] == 0.0
+    from llmtrain.rewards.reversal import target_of
+
+    requests = json.loads((short / "server_requests.json").read_text())
+    assert [len(q["responses"]) for q in requests] == ([5] * 6 + [2]) * 2  # 8 prompts × 4 samples a step
+    for q in requests:
+        assert q["labels"] == [target_of(prompt) for prompt in q["prompts"]]  # the reference column, as labels
+        assert all(prompt.strip() in query for prompt, query in zip(q["prompts"], q["query"]))
 
 
 def test_a_user_reward_function_by_module_and_attribute_gets_the_columns(short):

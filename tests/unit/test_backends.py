@@ -80,7 +80,8 @@ def test_capabilities_and_layouts():
     (["backend=zero3", "backend.ep=2"], "config: backend.ep is a field of the fsdp2 backend (backend=fsdp2/fsdp2_tp) "
                                         "(DeepSpeed's MoE layer is not transformers' experts module"),
     (["backend=fsdp2", "backend.bogus=1"], "backend.bogus is not a field of any backend (ddp, deepspeed, fsdp2); "
-                                           "backend fsdp2 has: name, dp_replicate, dp_shard, sp, cp, ep, tp,"),
+                                           "backend fsdp2 has: name, dp_replicate, dp_shard, sp, cp, "
+                                           "cp_implementation, ep, tp,"),
 ])
 def test_a_key_of_another_backend_is_named_with_its_backend(overrides, needle):
     with pytest.raises(ConfigError) as error:

@@ -16,6 +16,8 @@ import unicodedata
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 DOCS = REPO / "docs"
@@ -196,6 +198,7 @@ def test_the_docs_have_commands_and_most_are_checked():
     assert len(checked) >= 20, f"only {len(checked)} of {len(commands)} documented commands are checkable"
 
 
+@pytest.mark.uses_base  # documented commands name recipes that start from a trained base
 def test_every_documented_command_validates():
     """Composes and validates each command as `dry_run=true` would, with the world it names (torchrun's
     --nproc_per_node × --nnodes; the planner's plan.world_size): a renamed field or group breaks this test, not the

@@ -13,9 +13,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmtrain"
 FLOORS = (
     ("llmtrain.config", "llmtrain.paths", "llmtrain.data.errors", "llmtrain.faults", "llmtrain.distributed",
      "llmtrain.run_metadata", "llmtrain.optim.spec"),
-    ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards", "llmtrain.optim"),
+    ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards", "llmtrain.optim",
+     "llmtrain.doctor", "llmtrain.checkpoint_async"),
     ("llmtrain.backends", "llmtrain.stages", "llmtrain.roles", "llmtrain.trainer", "llmtrain.checkpoint",
-     "llmtrain.parallel"),
+     "llmtrain.parallel", "llmtrain.spikes"),
     ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan.rl", "llmtrain.plan.pp", "llmtrain.finished_run",
      "llmtrain.sequence_parallel"),
     ("llmtrain.plan.core", "llmtrain.plan", "llmtrain.plan.fit", "llmtrain.run", "llmtrain.bases",

@@ -1,9 +1,12 @@
 """Context parallelism without torchrun: ring attention (models/ring_attention.py) against plain causal sdpa on whole
 rows, forward and backward, zig-zag and contiguous chunks, GQA, packed rows, on cp gloo ranks spawned here; the
-zig-zag shards of a batch (data/sequence_shard.py); what backend.cp refuses before any model loads."""
+zig-zag shards of a batch (data/sequence_shard.py), which are torch's head-tail shards; what backend.cp and
+backend.cp_implementation refuse before any model loads, and what `auto` picks (torch's ring itself runs on CUDA only:
+tests/gpu/test_context_parallel.py)."""
 
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +20,9 @@ from llmtrain.data.packing import merge_packed
 from llmtrain.data.sequence_shard import row_multiple, sequence_preparer, shard_positions
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.ring_attention import CONTIGUOUS, ZIGZAG, chunk_count, chunks_of, ring_attention
+from llmtrain.models.torch_context_parallel import torch_cp_positions
 from llmtrain.parallel import ParallelDims
+from llmtrain.parallel.cp import cp_implementation
 from llmtrain.validation import config_problems
 
 B, H, KV, D = 2, 4, 2, 8
@@ -163,3 +168,39 @@ def test_planned_ring_bytes_are_the_ones_counted_live():
     planned = collectives(SimpleNamespace(cp=2, tp=1), facts, "fp32", tokens_per_micro=8 * 32, accum=2,
                           trainable=True, checkpointing=False)
     assert sum(c.wire for c in planned) == 1_048_576
+
+
+def test_torch_head_tail_cut_is_the_zigzag_shard():
+    """torch's `_HeadTailLoadBalancer` order, cut as DTensor's Shard(seq) cuts it, is sequence_shard's zig-zag index
+    for index: backend.cp_implementation=torch attends on the shards llmtrain cuts on the host."""
+    for cp in (2, 3, 4):
+        for width in (2 * cp, 6 * cp):
+            for rank in range(cp):
+                assert torch_cp_positions(width, rank, cp).tolist() == shard_positions(width, rank, cp, cp).tolist()
+
+
+def test_auto_picks_the_ring_until_torchs_path_has_run_on_a_gpu():
+    """auto is the ring everywhere (torch's context parallelism has not run on a GPU here yet); torch and ring are
+    taken as asked (torch refused where it cannot run: the test below)."""
+    auto, ring, torch_cp = (SimpleNamespace(cp_implementation=name) for name in ("auto", "ring", "torch"))
+    degrees = {"cp": 2, "sp": 1, "tp": 1}
+    for device, packed in (("cuda", False), ("cpu", False), ("cuda", True)):
+        assert cp_implementation(auto, device, packed, degrees) == "ring"
+    assert cp_implementation(ring, "cuda", False, degrees) == "ring"
+    assert cp_implementation(torch_cp, "cuda", False, degrees) == "torch"
+
+
+def test_torch_context_parallel_is_refused_where_it_cannot_run():
+    torch_cp = "backend.cp_implementation=torch"
+    on_cpu = _problems(torch_cp)
+    assert len(on_cpu) == 1 and on_cpu[0].startswith(f"{torch_cp} with backend.cp=2: on cpu")
+    assert "set backend.cp_implementation=ring" in on_cpu[0]
+    zero2 = config_problems(compose_config(["recipe=sft_tiny", "backend=zero2", "backend.cp=2", torch_cp]), 2)
+    assert len(zero2) == 1 and zero2[0].startswith(f"{torch_cp} with backend.cp=2: on cpu")
+    assert _problems("device=cuda", torch_cp) == []
+    assert "data.packing=true puts several samples" in " ".join(_problems("device=cuda", torch_cp, "data.packing=true"))
+    assert "backend.sp=2: torch's ring" in " ".join(_problems("device=cuda", torch_cp, "backend.sp=2", world=4))
+    assert "backend.cp_implementation=flash: not one of auto | ring | torch" in _problems(
+        "backend.cp_implementation=flash")[0]
+    no_cp = config_problems(compose_config(["recipe=sft_tiny", "backend=fsdp2", torch_cp]), 2)
+    assert len(no_cp) == 1 and "backend.cp=1: there is no context parallelism to run" in no_cp[0]

@@ -18,14 +18,23 @@ from llmtrain.models.attention import PACKABLE_SDPA, SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_IMPLEMENTATIONS
 from llmtrain.models.stop_tokens import derive_stop_tokens
 from llmtrain.stages.base import ModelSource, RoleSpec
+from llmtrain.stages.ppo.async_rollout import AsyncRollouts
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.config import PPOConfig
 from llmtrain.stages.ppo.engines import HFEngine
 from llmtrain.stages.ppo.experience import ExperienceSettings
 from llmtrain.stages.ppo.packed import PACKED_ATTENTIONS
-from llmtrain.stages.ppo.rewards import ScoreShaping, load_reward_functions, reward_model_statistics
+from llmtrain.stages.ppo.remote_reward import RemoteReward
+from llmtrain.stages.ppo.rewards import (
+    RewardFunction,
+    ScoreShaping,
+    load_reward_functions,
+    reward_model_statistics,
+)
 from llmtrain.stages.ppo.rollout import SamplingSettings, checkpoint_overrides
 from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
+from llmtrain.stages.ppo.tools import attach as attach_tools
+from llmtrain.stages.ppo.tools import uses_tools
 from llmtrain.stages.spec import RLShape, StageSpec
 
 
@@ -92,7 +101,9 @@ CHAT_FORMATS = ("messages", "prompt")  # prompts rendered with the chat template
 
 def stop_ids(cfg, source: ModelSource, tokenizer) -> list[int]:
     """The run's stop tokens, named in the log with what the neutral generation config overrides."""
-    chat = cfg.data.format in CHAT_FORMATS and getattr(tokenizer, "chat_template", None) is not None
+    # tool calling renders every turn with the chat template: its replies end at the template's end of turn
+    chat = (cfg.data.format in CHAT_FORMATS or uses_tools(cfg.ppo)) and getattr(tokenizer, "chat_template", None) \
+        is not None
     stop = derive_stop_tokens(tokenizer, source.name_or_path, chat)
     log.info("stop tokens: %s", stop.describe(tokenizer))
     directory = Path(source.name_or_path or "")
@@ -108,6 +119,16 @@ def stop_ids(cfg, source: ModelSource, tokenizer) -> list[int]:
 def reward_function_specs(reward) -> list[str]:
     """`ppo.reward.functions`, or the one-function shorthand `ppo.reward.function`."""
     return list(reward.functions) or ([reward.function] if reward.function else [])
+
+
+def reward_sources(reward) -> list[RewardFunction]:
+    """The reward functions, then the reward server as one more weighted source (its mean: `score_remote`)."""
+    sources = load_reward_functions(reward_function_specs(reward), reward.weights)
+    if reward.url is not None:
+        server = RemoteReward(reward.url, batch_size=reward.url_batch_size, timeout_s=reward.url_timeout_s,
+                              retries=reward.url_retries)
+        sources.append(RewardFunction(reward.url, server, reward.url_weight, metric="score_remote"))
+    return sources
 
 
 def rollout_engine(cfg):
@@ -160,16 +181,18 @@ def build(cfg, source: ModelSource, tokenizer, attn_implementation: str) -> PPOS
     if r.normalize and shaping.statistics is None:
         raise ConfigError(f"ppo.reward.normalize=true: {r.model}/config.json has no reward_mean/reward_std (a reward "
                           "model trained by llmtrain's stage=reward exports them); set ppo.reward.normalize=false")
+    engine, k = rollout_engine(cfg), p.off_policy.max_staleness  # k > 0: rollouts overlap training
     stage = PPOStage(ppo_roles(cfg, source), tokenizer, sampling=sampling, eval_sampling=eval_sampling,
                      experience=experience, update=update,
                      kl_controller=build_kl_controller(p.kl.coef, p.kl.target, p.kl.horizon),
-                     shaping=shaping, reward_functions=load_reward_functions(reward_function_specs(r), r.weights),
+                     shaping=shaping, reward_functions=reward_sources(r),
                      prompts_per_step=rollout.prompts_per_step, seed=t.seed,
                      stop_ids=stop_ids(cfg, source, tokenizer), attention=attention,
                      reward_model_weight=r.model_weight, critic_warmup_steps=p.critic.warmup_steps,
                      filter_max_rounds=p.filter_max_rounds if p.filter_groups else 0,
-                     rollout_engine=rollout_engine(cfg))
+                     rollout_engine=engine, off_policy=AsyncRollouts(engine, k) if k else None)
     stage.name = cfg.stage.name
+    attach_tools(stage, cfg, tokenizer)  # ppo.tools / ppo.environment: multi-turn rollouts (stages/ppo/tools)
     return stage
 
 

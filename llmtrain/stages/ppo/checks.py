@@ -15,6 +15,8 @@ from llmtrain.losses.advantages import (
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import LOSS_AGGREGATIONS, RATIO_LEVELS, resolve_loss_agg
 from llmtrain.parallel import degree_of
+from llmtrain.stages.ppo.async_rollout import off_policy_problems
+from llmtrain.stages.ppo.tools import environment_owns_reward, tool_problems
 
 CRITIC_INITS = ("policy", "reward")
 SEGMENT_ONLY_ATTENTION = ("sdpa_segments", "flex_segments")  # drop padding masks: wrong for left-padded prompts
@@ -45,7 +47,7 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
     if p.packing and m.attn_implementation == "eager":
         problems.append("ppo.packing=true needs per-sample attention over a packed row: model.attn_implementation="
                         "eager has none; use auto or sdpa (or flash_attention_2 on a GPU), or ppo.packing=false")
-    problems += _reward_function_problems(r)
+    problems += _reward_function_problems(r, environment_owns_reward(p)) + tool_problems(p)
     if r.normalize and r.model is None:
         problems.append("ppo.reward.normalize=true uses a reward model's exported reward_mean/std: "
                         "set ppo.reward.model, "
@@ -64,6 +66,7 @@ def ppo_problems(cfg: Any, stage: str, dp: int) -> list[str]:
                         f"ppo.filter_max_rounds >= 1 (is {p.filter_max_rounds})")
     problems += _batch_problems(p, t, dp)
     problems += _engine_problems(p)
+    problems += off_policy_problems(p)  # ppo.off_policy: stages/ppo/async_rollout.py
     problems += _value_problems(p, rollout, kl)
     if rollout.max_new_tokens >= d.max_seq_len:
         problems.append(f"ppo.rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
@@ -98,16 +101,17 @@ def _advantage_problems(p: Any, stage: str) -> list[str]:
     return problems
 
 
-def _reward_function_problems(r: Any) -> list[str]:
+def _reward_function_problems(r: Any, environment_reward: bool = False) -> list[str]:
     """Exactly one source of scores; functions as module:attribute, one weight each."""
     problems, functions = [], list(r.functions)
     if r.function is not None and functions:
         problems.append(f"set ppo.reward.function (one) or ppo.reward.functions (several), not both; got "
                         f"function={r.function!r}, functions={functions}")
     specs = functions or ([r.function] if r.function is not None else [])
-    if r.model is None and not specs:
+    if r.model is None and not specs and r.url is None and not environment_reward:  # get_reward: a source
         problems.append("set ppo.reward.model (a reward model directory), ppo.reward.function (module:attribute; "
-                        "several: ppo.reward.functions=[...]), or both")
+                        "several: ppo.reward.functions=[...]), ppo.reward.url (a reward server), or several")
+    problems += _reward_server_problems(r)
     if r.model is not None and specs and r.normalize:
         problems.append("ppo.reward.normalize=true normalises a reward model's score alone (its exported mean/std), "
                         "not a sum with reward functions: set ppo.reward.normalize=false, or drop the functions")
@@ -118,6 +122,26 @@ def _reward_function_problems(r: Any) -> list[str]:
     if r.weights is not None and len(r.weights) != len(specs):
         problems.append(f"ppo.reward.weights has {len(r.weights)} values for {len(specs)} reward function(s) ({key}): "
                         "give one weight per function, or drop ppo.reward.weights (1 each)")
+    return problems
+
+
+def _reward_server_problems(r: Any) -> list[str]:
+    if r.url is None:
+        return []
+    problems = []
+    if not str(r.url).startswith(("http://", "https://")):
+        problems.append(f"ppo.reward.url={r.url!r} must be an http:// or https:// URL (e.g. http://10.0.0.5:5000/"
+                        "get_reward)")
+    if r.url_batch_size < 1:
+        problems.append(f"ppo.reward.url_batch_size={r.url_batch_size} must be >= 1 (responses per request)")
+    if not r.url_timeout_s > 0:
+        problems.append(f"ppo.reward.url_timeout_s={r.url_timeout_s} must be > 0 seconds: an unbounded request could "
+                        "hang the run")
+    if r.url_retries < 0:
+        problems.append(f"ppo.reward.url_retries={r.url_retries} must be >= 0")
+    if r.normalize and r.model is not None:
+        problems.append("ppo.reward.normalize=true normalises a reward model's score alone, not a sum with a reward "
+                        "server's: set ppo.reward.normalize=false, or drop ppo.reward.url")
     return problems
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -30,6 +30,13 @@ class PPORewardConfig:
     clip: Optional[float] = None  # scores clipped to [-clip, clip]
     normalize: bool = False  # (score - reward_mean) / reward_std with the reward model's exported statistics
     missing_eos_penalty: Optional[float] = None  # added to the score of a response that ended without EOS
+    # a reward server (OpenRLHF's --remote_rm_url): responses POSTed as JSON, {"rewards": [...]} back
+    # (stages/ppo/remote_reward.py), summed with the functions and the model at `url_weight`
+    url: Optional[str] = None
+    url_weight: float = 1.0  # its scores' weight in the sum (like reward.weights for functions)
+    url_batch_size: int = 64  # responses per request
+    url_timeout_s: float = 60.0  # one request; connection errors, timeouts and HTTP 5xx are retried
+    url_retries: int = 2  # further tries of a request that failed to connect, timed out or answered 5xx
 
 
 @dataclass
@@ -62,6 +69,13 @@ class PPOImportanceSamplingConfig:
     clip_min: Optional[float] = None  # C_min (TRL's vllm_importance_sampling_clip_min)
     off_policy_mask_threshold: Optional[float] = None  # TRL's: sequences whose mean KL(old || engine) exceeds it and
     #                                                    whose advantage is negative train nothing
+
+
+@dataclass
+class PPOOffPolicyConfig:
+    """Rollouts that overlap training (ppo.rollout.engine=vllm; stages/ppo/async_rollout.py): the next iterations'
+    rollouts are requested before the current one trains, and corrected as decoupled PPO (ppo.importance_sampling)."""
+    max_staleness: int = 0  # k: policy versions (one per iteration) a rollout may lag; 0: on-policy, nothing overlaps
 
 
 @dataclass
@@ -134,3 +148,11 @@ class PPOConfig:
     # the old log-probs of the ratio: trainer (the actor's forward before the update) | engine (the sampler's own)
     old_logprobs: str = "trainer"
     importance_sampling: PPOImportanceSamplingConfig = field(default_factory=PPOImportanceSamplingConfig)
+    # multi-turn rollouts with tools (stages/ppo/tools; docs/rl/environments.md), TRL's `tools` and
+    # `environment_factory` as module:attribute
+    tools: List[str] = field(default_factory=list)  # tool functions, module:function (type hints + docstring)
+    environment: Any = None  # module:factory, or a dict name -> module:factory chosen by each row's `environment`
+    tool_timeout_s: float = 30.0  # a tool call still running after this answers {"error": ...} (TRL has no limit)
+    max_tool_calling_iterations: Optional[int] = None  # rounds of tool calls per trajectory (TRL's); null: no limit
+    max_tokens_per_turn: Optional[int] = None  # one model turn's tokens; null: what is left of max_new_tokens
+    off_policy: PPOOffPolicyConfig = field(default_factory=PPOOffPolicyConfig)

@@ -1,4 +1,5 @@
-"""Where a rollout's scores come from: a frozen reward model (a role), or a Python function.
+"""Where a rollout's scores come from: a frozen reward model (a role), a Python function, or a reward server
+(`ppo.reward.url`: remote_reward.py, a source like a function).
 
 A reward function is `score(prompts: list, responses: list[str], **columns) -> list[float]`, imported from
 `module:attribute` on PYTHONPATH: `prompts` are the raw prompt column, `responses` the decoded text up to
@@ -17,7 +18,7 @@ import importlib
 import inspect
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -52,9 +53,10 @@ TRL_KEYWORDS = ("completion_ids", "trainer_state")  # what else TRL passes by ke
 
 @dataclass(frozen=True)
 class RewardFunction:
-    name: str  # `module:attribute`, as the config names it
-    function: Callable
+    name: str  # `module:attribute`, as the config names it (a reward server: its URL)
+    function: Callable  # or an object with score_completions(Completions) (remote_reward.RemoteReward)
     weight: float = 1.0
+    metric: str | None = None  # its mean's metric key; None: score_fn_<attribute>
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Completions:
     ids: list[list[int]]  # each response's generated tokens through its stop token (TRL's completion_ids)
     columns: dict[str, list]  # the data's other columns, one value per response
     trainer_state: object = None  # transformers.TrainerState with global_step (TRL passes the trainer's own)
+    queries: list[str] = field(default_factory=list)  # prompt + response as the model saw them (a reward server's)
 
     def conversational(self) -> list:
         """TRL's rule: a chat prompt (a list of messages) gets its completion as [{"role": "assistant", ...}]."""
@@ -115,17 +118,26 @@ def combined_scores(functions: list[RewardFunction], completions: Completions,
     Collective: every rank of `group` (the actor's dp group; None: every rank) calls it at the same point, and one
     all-reduce of each function's (sum, count) gives every rank the global mean, as `stages.base.reduce_sums` does
     for the step's other means. A function that scored none of this rank's responses is fine; one that scored none
-    of the step's (every score None or NaN on every rank) is an error on every rank (no rank is left waiting)."""
+    of the step's (every score None or NaN on every rank) is an error on every rank (no rank is left waiting), and so
+    is a function (or a reward server) that raises on any rank: its error there, a pointer to it on the others."""
     totals = [math.nan] * len(completions.texts)  # NaN until a function scores the response
-    sums = []  # per function: (Σ scores, count) of the responses it scored on this rank
+    sums, failure = [], None  # per function: (Σ scores, count) of the responses it scored on this rank
     for reward in functions:
-        scores = call_reward_function(reward.function, completions.prompts, completions.texts, completions.columns,
-                                      completions)
+        try:
+            scores = _scores_of(reward, completions)
+        except Exception as error:  # raised below on every rank at once, not here alone (the others would wait)
+            failure, scores = failure or error, [None] * len(completions.texts)
         present = [s for s in scores if s is not None]
         sums += [math.fsum(present), len(present)]
         totals = [t if s is None else reward.weight * s + (0.0 if math.isnan(t) else t)
                   for t, s in zip(totals, scores)]
-    reduced = all_reduce_sum(torch.tensor(sums, dtype=torch.float64), group).tolist() if functions else []
+    flags = [float(failure is not None)] if functions else []
+    reduced = all_reduce_sum(torch.tensor(sums + flags, dtype=torch.float64), group).tolist() if functions else []
+    if failure is not None:
+        raise failure
+    if reduced and reduced.pop() > 0:
+        raise RuntimeError("a reward source failed on another data-parallel rank (its log names it and why); this "
+                           "rank stops with it")
     means = {}
     for reward, total, count in zip(functions, reduced[0::2], reduced[1::2]):
         if count == 0:
@@ -133,6 +145,24 @@ def combined_scores(functions: list[RewardFunction], completions: Completions,
                              "or NaN, on every rank): return a number for the responses it applies to")
         means[reward.name] = total / count
     return totals, means
+
+
+def query_texts(tokenizer, rollout: Rollout) -> list[str]:
+    """Each sequence as the model saw it: the prompt's tokens and the response's through its stop token, padding
+    dropped, special tokens kept (what OpenRLHF sends a reward server as `query`)."""
+    sequences, mask = rollout.sequences.cpu(), rollout.attention_mask.cpu().bool()
+    return tokenizer.batch_decode([row[m].tolist() for row, m in zip(sequences, mask)], skip_special_tokens=False)
+
+
+def reads_queries(functions: list[RewardFunction]) -> bool:
+    return any(hasattr(reward.function, "score_completions") for reward in functions)
+
+
+def _scores_of(reward: RewardFunction, completions: Completions) -> list[float | None]:
+    if hasattr(reward.function, "score_completions"):  # a reward server: it reads the queries too
+        return reward.function.score_completions(completions)
+    return call_reward_function(reward.function, completions.prompts, completions.texts, completions.columns,
+                                completions)
 
 
 def score_metrics(functions: list[RewardFunction], means: dict[str, float]) -> dict[str, float]:
@@ -143,7 +173,7 @@ def score_metrics(functions: list[RewardFunction], means: dict[str, float]) -> d
     keys = {}
     for reward, attribute in zip(functions, attributes):
         name = attribute if attributes.count(attribute) == 1 else reward.name
-        keys[reward.name] = "score_fn_" + "".join(c if c.isalnum() else "_" for c in name)
+        keys[reward.name] = reward.metric or "score_fn_" + "".join(c if c.isalnum() else "_" for c in name)
     return {keys[name]: mean for name, mean in means.items()}
 
 

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,10 @@ class Rollout:
     # (B, A) fp32: each action's log-prob as the sampler drew it (after temperature / top-k / top-p; 0 off the mask):
     # the behaviour policy's, which the train-inference mismatch compares with the trainer's
     engine_logps: torch.Tensor | None = None
+    # multi-turn (stages/ppo/tools): each trajectory's last turn as text (what reward functions read), and the engine's
+    # counts for the step's metrics (tools_call_frequency, ...), already over every dp rank
+    texts: list[str] | None = None
+    metrics: dict = field(default_factory=dict)
 
     @property
     def num_actions(self) -> int:
@@ -198,7 +202,10 @@ def padded_prompts(batch: PromptBatch, n: int, pad_token_id: int, group) -> tupl
 
 
 def decode_responses(tokenizer, rollout: Rollout, eos_ids: list[int]) -> list[str]:
-    """Each response's text up to, not including, its EOS (what a reward function reads)."""
+    """Each response's text up to, not including, its EOS (what a reward function reads); a multi-turn rollout's last
+    turn (its action mask is not one span)."""
+    if rollout.texts is not None:
+        return list(rollout.texts)
     responses = rollout.responses.cpu()
     keep = rollout.action_mask.cpu() & ~torch.isin(responses, torch.tensor(eos_ids))
     return tokenizer.batch_decode([row[m].tolist() for row, m in zip(responses, keep)], skip_special_tokens=True)

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from llmtrain.data.prompts import REFERENCE, PromptBatch, collate_prompts
-from llmtrain.distributed import all_gather_rows, all_reduce_max, all_reduce_sum
+from llmtrain.distributed import all_gather_rows, all_reduce_max
 from llmtrain.losses.importance import importance_weight_metrics, mismatch_metrics
 from llmtrain.losses.kl import KL_ESTIMATORS
 from llmtrain.losses.ppo import (
@@ -47,10 +47,13 @@ from llmtrain.stages.ppo.rewards import (
     RewardFunction,
     ScoreShaping,
     combined_scores,
+    query_texts,
+    reads_queries,
     reward_model_scores,
     score_metrics,
 )
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, decode_responses
+from llmtrain.stages.ppo.update_metrics import add_share, update_mismatch
 
 POLICY_STATS = ("clipped", "approx_kl", "entropy", "kl_loss", "tokens")
 VALUE_STATS = ("value_clipped",)
@@ -74,12 +77,6 @@ class UpdateSettings:
     max_new_tokens: int = 1  # dr_grpo's and seq_mean_token_sum_norm's constant L
 
 
-def add_share(sums: dict, metrics: dict, prefix: str, updates: int) -> None:
-    """Average per-update metrics (an MoE role's router aux loss) over the iteration's `updates`, keys prefixed."""
-    for name, value in metrics.items():
-        sums[prefix + name] = sums.get(prefix + name, 0.0) + value / updates
-
-
 class PPOStage(Stage):
     name = "ppo"
     count_name = "samples"
@@ -89,7 +86,7 @@ class PPOStage(Stage):
                  experience: ExperienceSettings, update: UpdateSettings, kl_controller, shaping: ScoreShaping,
                  reward_functions: list[RewardFunction] | None = None, prompts_per_step: int, seed: int,
                  stop_ids: list[int], attention: str = "sdpa", reward_model_weight: float = 1.0,
-                 critic_warmup_steps: int = 0, filter_max_rounds: int = 0, rollout_engine=None):
+                 critic_warmup_steps: int = 0, filter_max_rounds: int = 0, rollout_engine=None, off_policy=None):
         self.roles, self.tokenizer = roles, tokenizer
         self.sampling, self.eval_sampling, self.experience, self.update = sampling, eval_sampling, experience, update
         self.kl_controller, self.shaping, self.reward_functions = kl_controller, shaping, reward_functions or []
@@ -104,6 +101,7 @@ class PPOStage(Stage):
         self.filter_max_rounds = filter_max_rounds  # ppo.filter_groups: prompt batches per iteration at most; 0: off
         self.extra_prompt_batches = 0  # drawn by dynamic sampling so far, beyond one per iteration (data position)
         self.rollout_engine = rollout_engine or HFEngine()  # ppo.rollout.engine: who samples (stages/ppo/engines)
+        self.off_policy = off_policy  # ppo.off_policy.max_staleness > 0: the rollouts in flight (async_rollout.py)
 
     # ---- the rollout engine ----------------------------------------------------------------------
     def prepare(self, engines: dict, data, prepare_batch) -> dict:
@@ -159,17 +157,19 @@ class PPOStage(Stage):
         responses, mask = rollout.responses.cpu(), rollout.action_mask.cpu()
         return Completions(prompts=rollout.prompts, texts=decode_responses(self.tokenizer, rollout, self.eos_ids),
                            ids=[row[m].tolist() for row, m in zip(responses, mask)], columns=rollout.columns,
-                           trainer_state=TrainerState(global_step=self.iteration))
+                           trainer_state=TrainerState(global_step=self.iteration),
+                           queries=query_texts(self.tokenizer, rollout) if reads_queries(self.reward_functions) else [])
 
     # ---- one iteration ---------------------------------------------------------------------------
     def train_step(self, micro_batches: list[PromptBatch], engines: dict, updater: Updater) -> dict:
         actor = engines["actor"]
         self.iteration = updater.step
         start = time.perf_counter()
-        synced = self._synced(actor, self.iteration - 1)  # the weights before this iteration's update
+        # the weights before this iteration's update (off-policy: the queue syncs when a rollout would be too stale)
+        synced = self._synced(actor, self.iteration - 1) if self.off_policy is None else {}
         gathered, raw, metrics, times = self._sample(micro_batches[0], engines)
         self.rollout_engine.after_rollout()  # colocated: the engine frees its memory for the update
-        metrics.update(synced)
+        metrics.update(synced if self.off_policy is None else self.off_policy.metrics)
         layouts = self._layouts(gathered.sequences.shape[0], actor)  # per epoch, per mini-batch: micro-batch rows
         kl_coef = self.kl_controller.value
         self.kl_loss_coef = kl_coef if self.update.kl_in_loss else 0.0
@@ -202,13 +202,11 @@ class PPOStage(Stage):
                 batch = self.fetch_more()
                 self.extra_prompt_batches += 1
             began = time.perf_counter()
-            rollout = self.rollout_engine.generate(actor, batch, self.sampling,
-                                                   pad_token_id=self.tokenizer.pad_token_id, eos_ids=self.eos_ids,
-                                                   seed=self._seed("rollout", actor.dp_rank, round_index),
-                                                   group=actor.dp_group)
+            rollout = self._generate(actor, batch, round_index)
             times["generate"] += time.perf_counter() - began
             times["gather"] += rollout.gather_s
             raw, function_means = self.raw_scores(rollout, engines)
+            function_means.update(rollout.metrics)  # a multi-turn engine's tool counts (stages/ppo/tools)
             shaped = self.shaping.apply(raw, rollout.ended, rollout.action_mask.sum(-1))
             rounds.append((gather_rollout(rollout, shaped, actor.dp_group), all_gather_rows(raw, actor.dp_group),
                            function_means))
@@ -229,9 +227,19 @@ class PPOStage(Stage):
                            filter_prompt_batches=self.extra_prompt_batches)
         return gathered, raw, metrics, times
 
-    def _seed(self, purpose: str, dp_rank: int, round_index: int = 0) -> int:
+    def _generate(self, actor, batch: PromptBatch, round_index: int) -> Rollout:
+        """This iteration's rollout: sampled now, or (ppo.off_policy) the oldest in flight, `batch` sent in turn."""
+        options = dict(pad_token_id=self.tokenizer.pad_token_id, eos_ids=self.eos_ids, group=actor.dp_group)
+        if self.off_policy is not None:
+            return self.off_policy.next(actor, batch, self.iteration, self.sampling, fetch_more=self.fetch_more,
+                                        seed_of=lambda j: self._seed("rollout", actor.dp_rank, iteration=j), **options)
+        return self.rollout_engine.generate(actor, batch, self.sampling,
+                                            seed=self._seed("rollout", actor.dp_rank, round_index), **options)
+
+    def _seed(self, purpose: str, dp_rank: int, round_index: int = 0, iteration: int | None = None) -> int:
         salt = {"rollout": 1, "permutation": 2, "eval": 3}[purpose] + 11 * round_index  # dynamic sampling's rounds
-        return (self.seed * 1_000_003 + self.iteration * 7919 + dp_rank * 104_729 + salt) % (2 ** 63)
+        step = self.iteration if iteration is None else iteration  # ppo.off_policy: the rollout's own iteration
+        return (self.seed * 1_000_003 + step * 7919 + dp_rank * 104_729 + salt) % (2 ** 63)
 
     def _layouts(self, total: int, actor) -> list[list[list[torch.Tensor]]]:
         """Each epoch's seeded permutation of the global batch, cut into this rank's micro-batches per mini-batch."""
@@ -254,12 +262,8 @@ class PPOStage(Stage):
                 "reward": rewards.nanmean().item(), "kl": kl_seq.mean().item(),
                 "kl_token": (kl_seq.sum() / lengths.sum().clamp(min=1)).item(), "kl_coef": kl_coef,
                 "response_len": lengths.mean().item(),
-                "eos_rate": (exp.sampled_mask.any(-1) & self._ended(exp)).float().mean().item()}
-
-    def _ended(self, exp: Experience) -> torch.Tensor:
-        eos = torch.tensor(self.eos_ids, device=exp.sequences.device)
-        responses = exp.sequences[:, -exp.num_actions:]
-        return (torch.isin(responses, eos) & exp.action_mask).any(-1)
+                # `ended`: the last turn's stop token (a multi-turn trajectory has one per turn)
+                "eos_rate": (exp.sampled_mask.any(-1) & exp.ended).float().mean().item()}
 
     # ---- the train-inference mismatch --------------------------------------------------------------
     @property
@@ -272,17 +276,6 @@ class PPOStage(Stage):
         u = self.update
         return mismatch_metrics(trainer, engine, mask, u.clip_eps,
                                 u.clip_eps if u.clip_eps_high is None else u.clip_eps_high)
-
-    def _update_mismatch(self, parts: list[tuple[dict, int]], device) -> dict:
-        """The first mini-batch's per-micro-batch mismatch metrics, weighted by their action tokens, over every rank."""
-        keys = ("mismatch_logp_abs_mean", "mismatch_kl", "mismatch_frac_outside_clip")
-        sums = torch.tensor([[m[k] * n for k in keys] + [n] for m, n in parts] or [[0.0] * 4], dtype=torch.float64,
-                            device=device).sum(0)
-        sums = all_reduce_sum(sums, None)
-        worst = all_reduce_max(torch.tensor([max([m["mismatch_logp_abs_max"] for m, _ in parts] + [0.0])],
-                                            dtype=torch.float64, device=device), None).item()
-        count = max(sums[-1].item(), 1.0)
-        return {"mismatch_logp_abs_max": worst, **{k: (v / count).item() for k, v in zip(keys, sums[:-1])}}
 
     # ---- the update ------------------------------------------------------------------------------
     def _update(self, exp: Experience, engines: dict, updater: Updater, layouts: list) -> dict:
@@ -331,7 +324,7 @@ class PPOStage(Stage):
         if not self.experience.old_logps_from_update:  # on the shortcut the ratio is 1 by construction: no measure
             metrics["first_ratio_dev"] = first_ratio_dev
         if not self._mismatch_in_experience:
-            metrics.update(self._update_mismatch(self._first_mismatch, exp.sequences.device))
+            metrics.update(update_mismatch(self._first_mismatch, exp.sequences.device))
         if self.kl_loss_coef > 0:
             metrics["kl_loss"] = sums["kl_loss"] / tokens
         if self.experience.old_logps_from_update:  # the KL to the reference, from the update's forward
@@ -452,9 +445,12 @@ class PPOStage(Stage):
                 "eval_samples": int(count)}
 
     def state_dict(self) -> dict:
-        return {"kl_controller": self.kl_controller.state_dict(), "extra_prompt_batches": self.extra_prompt_batches}
+        state = {"kl_controller": self.kl_controller.state_dict(), "extra_prompt_batches": self.extra_prompt_batches}
+        return state if self.off_policy is None else {**state, "in_flight": self.off_policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if "kl_controller" in state:
             self.kl_controller.load_state_dict(state["kl_controller"])
         self.extra_prompt_batches = state.get("extra_prompt_batches", 0)
+        if self.off_policy is not None and "in_flight" in state:  # answered before the save: used, not re-sampled
+            self.off_policy.load_state_dict(state["in_flight"])

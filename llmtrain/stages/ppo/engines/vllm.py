@@ -4,10 +4,12 @@ verified.
 
 - Generation: every dp rank sends its prompts (as token ids, one request per prompt with `n` samples and a seed
   derived from the run seed, the iteration, the rank and the prompt's position) to its server
-  (`urls[dp_rank % len(urls)]`), all at once, so the server batches them. Each choice names the weight version that
-  sampled each of its tokens: a token from any other version than the one just synced stops the run.
+  (`urls[dp_rank % len(urls)]`), all at once, so the server batches them (`submit`: they run while the trainer goes
+  on; `collect` lays their answers out). Each choice names the weight version that sampled each of its tokens: a
+  token from any other version than the one the request was sent under stops the run.
 - Weight sync (a collective: every rank calls it): the actor's full weights (gathered from ZeRO-3 / FSDP2 shards,
-  LoRA merged: the engine's `export_hf`) are written to a run-local or shared-memory folder; rank 0 then pauses each
+  LoRA merged: the engine's `export_hf`) are written to a run-local or shared-memory folder (after this rank's
+  requests in flight have their answers, on the weights they were sent under); rank 0 then pauses each
   server, has it reload the folder, resets its prefix cache (the cached KV of the old weights), names the new
   version, resumes it and reads the version back. Verification: a fixed probe sequence's log-probs from the
   server equal the trainer's within ppo.rollout.vllm.sync_tolerance (`sync_max_abs`), or every rank stops.
@@ -20,7 +22,7 @@ import logging
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,28 @@ class VLLMSettings:
     request_timeout_s: float = 600.0
     sync_tolerance: float = 1e-3
     sync_dir: str | None = None
+
+
+@dataclass
+class Requests:
+    """One rank's generate requests for one prompt batch, in flight or answered."""
+    url: str
+    version: str | None  # the weight version the server held when they were sent: every token must come from it
+    futures: list[Future]  # one per prompt: its n choices (the server's JSON), in order
+
+    def done(self) -> bool:
+        return all(future.done() for future in self.futures)
+
+    def answers(self) -> list[list[dict]]:
+        return [future.result() for future in self.futures]
+
+    @classmethod
+    def answered(cls, url: str, version: str | None, answers: list[list[dict]]) -> Requests:
+        """Requests whose answers are known already (restored from a checkpoint)."""
+        futures = [Future() for _ in answers]
+        for future, answer in zip(futures, answers):
+            future.set_result(answer)
+        return cls(url=url, version=version, futures=futures)
 
 
 def _is_main() -> bool:
@@ -83,6 +107,7 @@ class VLLMEngine:
         self.server: VLLMServer | None = None
         self.weight_version: str | None = None  # what every server holds (None: not synced by this run yet)
         self.asleep = False  # colocated (sleep=true): the servers freed their memory after the last rollout
+        self._in_flight: list[Requests] = []  # this rank's requests not yet known to be answered (submit)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self, actor) -> None:
@@ -135,6 +160,7 @@ class VLLMEngine:
         if self.weight_version == version:
             return {}
         start = time.perf_counter()
+        self.wait_in_flight()  # requests sent under the old weights finish on them (and are checked against them)
         folder = self._weights_folder(version)
         try:
             self._wake()
@@ -148,6 +174,11 @@ class VLLMEngine:
         max_abs = self.verify(actor, version)
         self.weight_version = version
         return {"sync_s": written - start, "sync_verify_s": time.perf_counter() - written, "sync_max_abs": max_abs}
+
+    def wait_in_flight(self) -> None:
+        """Until every request this rank sent has its answer (a failed one raises when it is collected)."""
+        wait([future for requests in self._in_flight for future in requests.futures])
+        self._in_flight = []
 
     def _reload(self, url: str, folder: Path, version: str) -> None:
         timeout = self.settings.request_timeout_s
@@ -205,18 +236,33 @@ class VLLMEngine:
                  eos_ids: list[int], seed: int, group=None) -> Rollout:
         """The rollout of this rank's prompts, sampled by its server: the hf engine's layout, with the engine's
         log-probs; every token must come from the version synced last (`_check_versions`)."""
-        n = settings.n_samples_per_prompt
+        return self.collect(actor, batch, self.submit(actor, batch, settings, eos_ids, seed), settings,
+                            pad_token_id=pad_token_id, eos_ids=eos_ids, group=group)
+
+    def submit(self, actor, batch: PromptBatch, settings: SamplingSettings, eos_ids: list[int], seed: int) -> Requests:
+        """Send this rank's prompts to its server (one request per prompt, from a thread pool) and return at once:
+        the requests run while the trainer goes on (ppo.off_policy, stages/ppo/async_rollout.py). Not a collective."""
         self._wake()
         url = self.urls[actor.dp_rank % len(self.urls)]
         prompts = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
-            answers = list(pool.map(lambda item: self._request(url, item[1], settings, eos_ids, seed + item[0]),
-                                    enumerate(prompts)))
-        choices = [choice for answer in answers for choice in answer]  # a prompt's n samples consecutive
-        if len(choices) != len(prompts) * n:
-            raise EngineError(f"inference engine {url} returned {len(choices)} samples for {len(prompts)} prompts × "
-                              f"n={n}")
-        self._check_versions(url, choices)
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64)))
+        futures = [pool.submit(self._request, url, prompt, settings, eos_ids, seed + i)
+                   for i, prompt in enumerate(prompts)]
+        pool.shutdown(wait=False)  # the submitted requests still run; the threads end with them
+        requests = Requests(url=url, version=self.weight_version, futures=futures)
+        self._in_flight = [r for r in self._in_flight if not r.done()] + [requests]
+        return requests
+
+    def collect(self, actor, batch: PromptBatch, requests: Requests, settings: SamplingSettings, *,
+                pad_token_id: int, eos_ids: list[int], group=None) -> Rollout:
+        """Wait for `requests` (sent for `batch`) and lay their samples out as a rollout (a collective: the widths
+        agree over the dp ranks). Every token must come from the version the requests were sent under."""
+        n, url = settings.n_samples_per_prompt, requests.url
+        choices = [choice for answer in requests.answers() for choice in answer]  # a prompt's n samples consecutive
+        if len(choices) != len(requests.futures) * n:
+            raise EngineError(f"inference engine {url} returned {len(choices)} samples for {len(requests.futures)} "
+                              f"prompts × n={n}")
+        _check_versions(url, choices, requests.version)
         ids, mask = padded_prompts(batch, n, pad_token_id, group)
         width = max([len(c["token_ids"]) for c in choices] + [1])
         responses = torch.full((len(choices), width), pad_token_id, dtype=torch.long)
@@ -239,12 +285,6 @@ class VLLMEngine:
                       timeout_s=self.settings.request_timeout_s)
         return sorted(answer["choices"], key=lambda choice: choice["index"])
 
-    def _check_versions(self, url: str, choices: list[dict]) -> None:
-        seen = {part["version"] for choice in choices for part in choice.get("weight_versions") or []}
-        if seen != {self.weight_version}:
-            raise EngineError(f"inference engine {url} sampled with weight versions {sorted(seen)}, expected only "
-                              f"{self.weight_version!r}: a rollout on stale weights")
-
     def after_rollout(self) -> None:
         """Colocated: free the engine's memory for the update."""
         if self.settings.sleep and not self.asleep:
@@ -255,6 +295,13 @@ class VLLMEngine:
         if self.asleep:
             self._each_server("/wake_up")
             self.asleep = False
+
+
+def _check_versions(url: str, choices: list[dict], expected: str | None) -> None:
+    seen = {part["version"] for choice in choices for part in choice.get("weight_versions") or []}
+    if seen != {expected}:
+        raise EngineError(f"inference engine {url} sampled with weight versions {sorted(seen)}, expected only "
+                          f"{expected!r} (the version the requests were sent under): a rollout on other weights")
 
 
 def _tokens_and_logps(choice: dict) -> tuple[list[int], torch.Tensor]:
