@@ -84,3 +84,11 @@ def test_installed_console_script_matches_pyproject(name):
             pytest.skip("llmtrain is not installed (tests run from a bare checkout)")
         pytest.fail(f"the installed llmtrain has no {name!r} command: reinstall (pip install -e .)")
     assert installed[0].value == SCRIPTS[name]
+
+
+def test_every_package_of_the_source_tree_ships():
+    """pyproject lists its packages by hand: a new subpackage left out installs without its modules (a wheel that
+    fails on import, where the repo's editable install works)."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    source = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "llmtrain").rglob("__init__.py")}
+    assert sorted(source - listed) == []
