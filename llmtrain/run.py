@@ -18,7 +18,7 @@ from llmtrain.backends import build_backend
 from llmtrain.backends.base import OptimizerSpec, autocast_dtype
 from llmtrain.config import ConfigError
 from llmtrain.data.pipeline import eval_batches, train_batches
-from llmtrain.data.sequence_shard import sequence_preparer
+from llmtrain.data.sequence_shard import RowShare, sequence_preparer
 from llmtrain.distributed import (
     DistContext,
     env_world_size,
@@ -143,13 +143,13 @@ def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: st
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
     cp_impl = cp_implementation(cfg.backend, ctx.device.type, packs_rows(cfg, attn), degrees_of(cfg.backend))
-    (sp_rank, sp, sp_group), model_attn = sequence_parallel_attention(backend, attn, cp_impl)
+    rows, model_attn = sequence_parallel_attention(backend, attn, cp_impl)
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(model_attn, m.dropout, m.activation_checkpointing,
                                          *fused_head(cfg, ctx, configs[0], len(tokenizer))),
                             t.seed, optimizer_spec(cfg, updates_per_step), lora=LoraSettings.from_config(cfg.peft))
-    prepare_batch = batch_preparer(ctx.device, precision, attn, sp_rank, sp, sp_group, degree_of(cfg.backend, "cp"))
+    prepare_batch = batch_preparer(ctx.device, precision, attn, rows)
     engines = stage.prepare(engines, data, prepare_batch)
     config_yaml = _config_yaml(cfg, ctx, precision)
     if ctx.is_main:
@@ -239,15 +239,14 @@ def fused_head(cfg: DictConfig, ctx: DistContext, config, tokenizer_size: int) -
     return m.loss_chunk_tokens, kernel
 
 
-def sequence_parallel_attention(backend, attn: str, cp_implementation: str = "ring") -> tuple[tuple[int, int, object],
-                                                                                           str]:
-    """((rank, size, group) of the cp × sp ranks sharing each row, the models' attention): with backend.cp > 1 ring
+def sequence_parallel_attention(backend, attn: str, cp_implementation: str = "ring") -> tuple[RowShare, str]:
+    """(the cp × sp ranks sharing each row, the models' attention): with backend.cp > 1 ring
     attention (models/ring_attention.py, or torch's with cp_implementation "torch": models/torch_context_parallel.py),
     with backend.sp > 1 the run's attention (or the ring) behind the Ulysses exchange (models/ulysses.py), each
     registered under a name of this run's own; else `attn` itself."""
     dims = getattr(backend, "dims", None)
     if dims is None or dims.row_size == 1:
-        return (0, 1, None), attn
+        return RowShare(), attn
     if attn != SEGMENT_ATTENTION:  # validation refuses what it can read; a hub family falling back to eager here
         raise ConfigError(f"backend.sp={dims.sp}, backend.cp={dims.cp}: the model runs {attn} attention, sequence and "
                           f"context parallelism need {SEGMENT_ATTENTION} (model.attn_implementation="
@@ -256,18 +255,17 @@ def sequence_parallel_attention(backend, attn: str, cp_implementation: str = "ri
         attn = register_cp_attention(cp_implementation, dims.cp, dims.mesh("cp"))
     if dims.sp > 1:
         attn = ulysses_attention(attn, dims.sp, dims.mesh("sp").get_group())
-    return dims.sequence_parallel(), attn
+    return dims.row_share(), attn
 
 
-def batch_preparer(device: torch.device, precision: str, attn_implementation: str, sp_rank: int = 0, sp: int = 1,
-                   sp_group=None, cp: int = 1):
+def batch_preparer(device: torch.device, precision: str, attn_implementation: str, rows: RowShare | None = None):
     """Move a batch to the device with the attention inputs its attention reads (a dense packed mask, when
-    one is needed, in the compute dtype: sdpa wants them equal). With sp > 1 (the cp × sp ranks sharing each row):
-    this rank's sequence shard of it, cut on the host (data/sequence_shard.py; a pair batch sums its sequences'
-    parts over `sp_group`)."""
+    one is needed, in the compute dtype: sdpa wants them equal). With rows shared by several ranks (cp × sp): this
+    rank's sequence shard of it, cut on the host (data/sequence_shard.py; a pair batch sums its sequences' parts over
+    `rows.group`)."""
     mask_dtype = autocast_dtype(precision) or torch.float32
-    if sp > 1:
-        shard = sequence_preparer(attn_implementation, sp_rank, sp, sp_group, cp)
+    if rows is not None and rows.size > 1:
+        shard = sequence_preparer(attn_implementation, rows)
         return lambda batch: shard(batch).to(device, non_blocking=device.type == "cuda")
 
     def prepare(batch):

@@ -291,3 +291,52 @@ def vllm_grpo_args(out: Path, *extra: str) -> list[str]:
     return ["recipe=grpo_tiny", "ppo.rollout.prompts_per_step=8", "ppo.rollout.n_samples_per_prompt=4",
             "ppo.rollout.max_new_tokens=8", "ppo.mini_batch_size=16", "trainer.micro_batch_size=8",
             "trainer.eval_batch_size=16", "optim.lr=3e-3", "ppo.rollout.engine=vllm", f"output_dir={out}", *extra]
+
+
+class JsonServer:
+    """A JSON-over-HTTP server on 127.0.0.1 in a thread: each POST's body is kept in `requests` and answered with
+    `answer(body) -> (status, json)` (a reward server, ...). `url` ends in /get_reward; close() stops it."""
+
+    def __init__(self, answer):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        requests = self.requests = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                requests.append(body)
+                status, reply = answer(body)
+                data = json.dumps(reply).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up on a slow answer, as it should
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def run_worker(module: str, out: Path, *args: str, ranks: int = 2, timeout: int = 300) -> list[dict]:
+    """`torchrun --standalone --nproc_per_node RANKS -m MODULE *ARGS OUT`, a worker that writes OUT/rank_<r>.json on
+    each rank (tests/*/workers/): those reports, rank by rank, once it exited 0."""
+    import json
+
+    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
+                             "-m", module, *args, str(out)], env=cli_env(), capture_output=True, text=True,
+                            timeout=timeout, cwd=REPO)
+    assert_ok(result)
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(ranks)]

@@ -60,7 +60,8 @@ class DeepSpeedEngine:
         deepspeed = import_deepspeed()
         self.ctx, self.precision, self.settings, self.optim_spec = ctx, precision, settings, optim
         self.dp_rank, self.dp_size, self.dp_group = dims.data_parallel(ctx.rank)  # ZeRO partitions over the world
-        self.sp_rank, self.sp_size, self.sp_group = dims.sequence_parallel()
+        rows = dims.row_share()
+        self.sp_rank, self.sp_size, self.sp_group = rows.rank, rows.size, rows.group
         self.zero_ranks = self.dp_size * self.sp_size  # ZeRO's group: every rank (cp, sp peers hold the same weights)
         self.stage = settings.zero_stage
         self.trainable = optim is not None

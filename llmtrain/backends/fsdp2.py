@@ -228,7 +228,8 @@ class FSDP2Engine(ScaledOptimizerSteps):
         self.reshard_after_forward = reshard_after_forward
         data_mesh = dims.mesh("dp")  # ranks that read different data (tp peers share theirs)
         self.dp_rank, self.dp_size, self.dp_group = data_mesh.get_local_rank(), data_mesh.size(), data_mesh.get_group()
-        self.sp_rank, self.sp_size, self.sp_group = dims.sequence_parallel()
+        rows = dims.row_share()
+        self.sp_rank, self.sp_size, self.sp_group = rows.rank, rows.size, rows.group
         if self.sp_size > 1:  # sp peers hold other tokens of the same rows: their sums add up too
             self.dp_group = dims.loss_group()
         # GPU + bf16: FSDP keeps fp32 shards (the optimizer's master weights), all-gathers bf16 copies

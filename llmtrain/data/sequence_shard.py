@@ -17,7 +17,7 @@ What must stay true across the cut (`shard_batch`):
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,25 @@ def shard_positions(width: int, rank: int, size: int, cp: int = 1) -> torch.Tens
     return ring[rank % sp * local:(rank % sp + 1) * local]
 
 
+@dataclass(frozen=True)
+class RowShare:
+    """The ranks that share each row (cp × sp, cp outer; ParallelDims.row_share): this rank among them, how many, the
+    group a pair batch's per-sequence sums are summed over, and how many of them form the ring (cp)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+    cp: int = 1
+
+    @property
+    def multiple(self) -> int:
+        """What each row's width is padded to a multiple of: 2·cp·sp, or sp."""
+        return row_multiple(self.size, self.cp)
+
+    def positions(self, width: int) -> torch.Tensor:
+        """(width / size,) long: the row positions this rank holds, increasing (shard_positions)."""
+        return shard_positions(width, self.rank, self.size, self.cp)
+
+
 def pad_to_multiple(batch: Batch, sp: int, pad_token_id: int = 0) -> Batch:
     """(B, T) -> (B, ⌈T/sp⌉·sp): right padding that carries no loss (a packed row's tail is a segment of its own)."""
     extra = -batch.width % sp
@@ -64,19 +83,18 @@ def pad_to_multiple(batch: Batch, sp: int, pad_token_id: int = 0) -> Batch:
     return padded
 
 
-def shard_batch(batch: Batch, sp_rank: int, sp: int, cp: int = 1) -> Batch:
-    """This rank's shard of a padded batch (width a multiple of `row_multiple(sp, cp)`) whose attention inputs were
-    built for the whole rows (`for_attention`, on the host); sp_rank / sp: this rank among the cp × sp ranks sharing
-    each row. Runs on the host: the target count needs no device sync."""
-    if batch.width % row_multiple(sp, cp):
-        raise ValueError(f"shard_batch: width {batch.width} is not a multiple of {'sp' if cp == 1 else '2·cp·sp'}="
-                         f"{row_multiple(sp, cp)} (pad_to_multiple first)")
+def shard_batch(batch: Batch, rows: RowShare) -> Batch:
+    """This rank's shard of a padded batch (width a multiple of `rows.multiple`) whose attention inputs were built for
+    the whole rows (`for_attention`, on the host). Runs on the host: the target count needs no device sync."""
+    if batch.width % rows.multiple:
+        raise ValueError(f"shard_batch: width {batch.width} is not a multiple of {'sp' if rows.cp == 1 else '2·cp·sp'}="
+                         f"{rows.multiple} (pad_to_multiple first)")
     if batch.shifted:
         raise ValueError("shard_batch: the batch is already a shard")
     if isinstance(batch.attention_mask, torch.Tensor) and batch.attention_mask.dim() > 2:
         raise ValueError("shard_batch: a dense (B, 1, T, T) mask cannot follow its rows through the all-to-all; "
                          "sequence parallelism attends with sdpa_segments")
-    index = shard_positions(batch.width, sp_rank, sp, cp)  # (T/sp,) increasing
+    index = rows.positions(batch.width)  # (T/sp,) increasing
     targets = shifted_targets(batch.labels)[:, index]  # (B, T/sp): shifted on the whole row, then cut
     whole_positions = batch.position_ids if batch.position_ids is not None else \
         torch.arange(batch.width).expand(batch.input_ids.shape[0], -1)  # (B, T)
@@ -90,17 +108,16 @@ def shard_batch(batch: Batch, sp_rank: int, sp: int, cp: int = 1) -> Batch:
                    row_lengths=tuple(int((index < length).sum()) for length in batch.row_lengths))
 
 
-def sequence_preparer(attn_implementation: str, sp_rank: int, sp: int, group=None, cp: int = 1):
-    """Batch (host) -> this rank's shard with the whole rows' attention inputs: pad, for_attention, cut (sp_rank / sp:
-    this rank among the cp × sp ranks sharing each row). A stage's own batch type that holds more than rows (a pair
-    batch: stages/pair_shard.py) cuts itself with its `sequence_shard(attn_implementation, sp_rank, sp, group, cp)`;
-    `group`, the peers sharing its rows, is what it sums over."""
+def sequence_preparer(attn_implementation: str, rows: RowShare):
+    """Batch (host) -> this rank's shard with the whole rows' attention inputs: pad, for_attention, cut. A stage's own
+    batch type that holds more than rows (a pair batch: stages/pair_shard.py) cuts itself with its
+    `sequence_shard(attn_implementation, rows)`, summing over `rows.group`."""
 
     def prepare(batch):
         own = getattr(batch, "sequence_shard", None)
         if own is not None:
-            return own(attn_implementation, sp_rank, sp, group, cp)
-        padded = pad_to_multiple(batch, row_multiple(sp, cp))
-        return shard_batch(padded.for_attention(attn_implementation), sp_rank, sp, cp)
+            return own(attn_implementation, rows)
+        padded = pad_to_multiple(batch, rows.multiple)
+        return shard_batch(padded.for_attention(attn_implementation), rows)
 
     return prepare

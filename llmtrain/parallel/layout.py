@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Any, Callable
 
+from llmtrain.data.sequence_shard import RowShare
 from llmtrain.parallel.dimension import DIMENSIONS, degrees_of, mesh_order, with_defaults
 
 NAMED_ALWAYS = ("dp_replicate", "dp_shard", "tp")  # in every message; the others when set
@@ -180,13 +181,13 @@ class ParallelDims:
             return None
         return self.mesh("loss").get_group()
 
-    def sequence_parallel(self) -> tuple[int, int, object]:
-        """(rank, size, group) of the ranks that share each row (cp × sp): this rank's shard of each row, among how
-        many, and the group its per-sequence sums are summed over (pair stages)."""
+    def row_share(self) -> RowShare:
+        """The ranks that share each row (cp × sp): this rank's shard of each row, among how many, the group its
+        per-sequence sums are summed over (pair stages), and cp."""
         if self.row_size == 1:
-            return 0, 1, None
+            return RowShare()
         mesh = self.mesh("rows")
-        return mesh.get_local_rank(), mesh.size(), mesh.get_group()
+        return RowShare(mesh.get_local_rank(), mesh.size(), mesh.get_group(), self.cp)
 
     def mesh(self, name: str):
         """A device mesh by name, from the world mesh built once: "world"; a dimension's own ("dp_shard" always, the

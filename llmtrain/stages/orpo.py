@@ -17,6 +17,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from llmtrain.data.sequence_shard import RowShare
 from llmtrain.distributed import all_reduce_sum
 from llmtrain.losses.dpo import DPO_STATS, dpo_metrics, dpo_stat_sums
 from llmtrain.losses.lm import IGNORE_INDEX
@@ -41,8 +42,8 @@ class ORPOConfig:
 class ORPOPairBatch(PairBatch):
     num_chosen_targets: int = 0  # target tokens of the chosen responses (0 for filler pairs), counted on the host
 
-    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group, cp: int = 1) -> ORPOPairBatch:
-        shard = super().sequence_shard(attn_implementation, sp_rank, sp, group, cp)
+    def sequence_shard(self, attn_implementation: str, rows: RowShare) -> ORPOPairBatch:
+        shard = super().sequence_shard(attn_implementation, rows)
         return replace(shard, num_chosen_targets=self.num_chosen_targets if shard.share else 0)  # counted once
 
 

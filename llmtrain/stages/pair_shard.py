@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmtrain.data.sequence_shard import pad_to_multiple, row_multiple, shard_batch, shard_positions
+from llmtrain.data.sequence_shard import RowShare, pad_to_multiple, shard_batch
 
 
 class SumOverPeers(torch.autograd.Function):
@@ -51,23 +51,23 @@ def sum_over_peers(values: torch.Tensor, group) -> torch.Tensor:
     return values if group is None else SumOverPeers.apply(values, group)
 
 
-def shard_pairs(batch, attn_implementation: str, sp_rank: int, sp: int, group, cp: int = 1):
-    """A PairBatch (host, before for_attention) -> this rank's shard of it (sp_rank / sp: among the cp × sp ranks
-    sharing each row): rows cut with their whole-row attention inputs, `sequence_ids` shifted then cut, each
-    sequence's last token as a flat index into this shard's (R·T/sp) positions (-1 on the peers that do not hold it),
-    and the pairs counted on rank 0 of the peers only."""
+def shard_pairs(batch, attn_implementation: str, shares: RowShare):
+    """A PairBatch (host, before for_attention) -> this rank's shard of it (`shares`: the ranks sharing each row):
+    rows cut with their whole-row attention inputs, `sequence_ids` shifted then cut, each sequence's last token as a
+    flat index into this shard's (R·T/sp) positions (-1 on the peers that do not hold it), and the pairs counted on
+    rank 0 of the peers only."""
     if batch.rows.shifted:
         raise ValueError("shard_pairs: the batch is already a shard")
-    rows = pad_to_multiple(batch.rows, row_multiple(sp, cp))  # (R, W)
-    width, local = rows.width, rows.width // sp
-    index = shard_positions(width, sp_rank, sp, cp)  # (W/sp,) the row positions this shard holds
+    rows = pad_to_multiple(batch.rows, shares.multiple)  # (R, W)
+    width, local = rows.width, rows.width // shares.size
+    index = shares.positions(width)  # (W/sp,) the row positions this shard holds
     slot = torch.full((width,), -1, dtype=torch.long)
     slot[index] = torch.arange(local)  # (W,) each row position's place in this shard, -1: another peer's
     ids = F.pad(batch.sequence_ids, (0, width - batch.rows.width), value=-1)  # (R, W)
     owners = F.pad(ids[:, 1:], (0, 1), value=-1)[:, index]  # (R, W/sp) sequence of the predicted token
     row, column = batch.ends // batch.rows.width, batch.ends % batch.rows.width  # (2P,) each
     ends = torch.where(slot[column] >= 0, row * local + slot[column], -1)  # (2P,) into this shard's (R, W/sp)
-    share = 1.0 if sp_rank == 0 else 0.0
-    return replace(batch, rows=shard_batch(rows.for_attention(attn_implementation), sp_rank, sp, cp), ends=ends,
+    share = 1.0 if shares.rank == 0 else 0.0
+    return replace(batch, rows=shard_batch(rows.for_attention(attn_implementation), shares), ends=ends,
                    sequence_ids=owners.contiguous(), num_pairs=batch.num_pairs if share else 0, share=share,
-                   sp_group=group)
+                   sp_group=shares.group)

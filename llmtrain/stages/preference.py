@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from llmtrain.data import PREFERENCE_FORMATS
 from llmtrain.data.collate import FILLER, Batch, collate
 from llmtrain.data.packing import merge_packed
+from llmtrain.data.sequence_shard import RowShare
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.attention import SEGMENT_ATTENTION
 from llmtrain.models.flex import FLEX_ATTENTION
@@ -91,9 +92,9 @@ class PairBatch:
         pairs = pairs or self.margin.shape[0]
         return (1, 2 * pairs * seq_len) if self.rows.is_packed else (2 * pairs, seq_len)
 
-    def sequence_shard(self, attn_implementation: str, sp_rank: int, sp: int, group, cp: int = 1) -> PairBatch:
+    def sequence_shard(self, attn_implementation: str, rows: RowShare) -> PairBatch:
         """This rank's shard (data/sequence_shard.sequence_preparer calls it; stages/pair_shard.py)."""
-        return shard_pairs(self, attn_implementation, sp_rank, sp, group, cp)
+        return shard_pairs(self, attn_implementation, rows)
 
     def target_owners(self) -> torch.Tensor:
         """(R, T) long: the sequence of the token each position predicts (-1: none), aligned with rows.targets()."""

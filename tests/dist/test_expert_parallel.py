@@ -10,12 +10,9 @@ worker takes any world size: `torchrun --nproc_per_node 4` runs ep 2 × efsdp 2 
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 
-from tests.helpers import PYTHON, REPO, assert_ok, cli_env
+from tests.helpers import run_worker
 
 pytestmark = pytest.mark.dist
 
@@ -23,11 +20,7 @@ FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def _launch(out, ranks: int) -> list[dict]:
-    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
-                             "-m", "tests.dist.workers.expert_parallel_checks", str(out)],
-                            env=cli_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert_ok(result)
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(ranks)]
+    return run_worker("tests.dist.workers.expert_parallel_checks", out, ranks=ranks)
 
 
 @pytest.fixture(scope="module")

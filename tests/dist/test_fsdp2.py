@@ -41,6 +41,7 @@ from tests.helpers import (
     ranks_refused,
     read_metrics,
     run_cli,
+    run_worker,
     save_tiny_model,
 )
 
@@ -196,11 +197,7 @@ def test_resharded_load_export_and_bytes(runs, tiny_model_dir, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     step_dir = runs("llama_fsdp2") / "checkpoints" / "step_5"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-           "tests.dist.workers.fsdp2_checks", str(tiny_model_dir), str(step_dir), str(tmp_path)]
-    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert_ok(result)
-    reports = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    reports = run_worker("tests.dist.workers.fsdp2_checks", tmp_path, str(tiny_model_dir), str(step_dir), timeout=600)
     # the planner's FSDP2 figure (fp32: shards 4M + grads 4M + Adam m, v 8M, split over N = 2 ranks; no
     # accumulation, so gradients are sharded too); the gathered blocks are released by then
     from llmtrain.backends import BACKENDS

@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, BatchedRuns, assert_ok, cli_env, read_metrics
+from tests.helpers import REPO, BatchedRuns, read_metrics, run_worker
 
 pytestmark = pytest.mark.dist
 
@@ -169,14 +169,7 @@ def test_shards_attend_like_whole_rows(tmp_path):
     """Worker under torchrun, sp=2: per-token log-probs exact, summed loss and gradients to 1e-6 relative; pairs: the
     whole sequences' scores / log-probs on both peers, the loss counted once, gradients summed over the peers to
     1e-5 relative of the whole row's (an identity backward of the sum, not an all-reduce, misses them by > 100 %)."""
-    import subprocess
-
-    out = tmp_path / "checks"
-    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-                             "tests.dist.workers.sequence_parallel_checks", str(out)],
-                            env=cli_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert_ok(result)
-    reports = [json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    reports = run_worker("tests.dist.workers.sequence_parallel_checks", tmp_path / "checks")
     assert [r["sp_rank"] for r in reports] == [0, 1] and all(r["dp"] == 1 for r in reports)
     for case, width, local in (("packed", 17, 9), ("unpacked", 11, 6), ("one_kv_head", 17, 9)):
         parts = [r[case] for r in reports]

@@ -6,13 +6,12 @@ start."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import TOKENIZER_DIR, assert_ok, cli_env, read_metrics, run_cli_jobs, run_recipes
+from tests.helpers import TOKENIZER_DIR, JsonServer, assert_ok, cli_env, read_metrics, run_cli_jobs, run_recipes
 
 pytestmark = pytest.mark.e2e
 
@@ -120,7 +119,7 @@ def short(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ppo_short")
     (root / "my_rewards.py").write_text(USER_REWARDS.format(calls=str(root / "calls.jsonl")))
     reward_dir = tiny_reward_model(root)
-    server = ReversalServer()
+    server = reversal_server()
     runs = {"user_fn": ["recipe=ppo_tiny", "ppo.reward.function=my_rewards:score"],
             "rm_dir": ["recipe=ppo_tiny", "ppo.reward.function=null", f"ppo.reward.model={reward_dir}",
                        "ppo.reward.normalize=true", "ppo.critic.init=reward"],
@@ -145,36 +144,11 @@ def short(tmp_path_factory) -> Path:
     return root
 
 
-class ReversalServer:
-    """A reward server on 127.0.0.1 scoring with the reversal task's function (ppo.reward.url), keeping each request."""
+def reversal_server() -> JsonServer:
+    """A reward server scoring with the reversal task's function (ppo.reward.url)."""
+    from llmtrain.rewards.reversal import score
 
-    def __init__(self):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from llmtrain.rewards.reversal import score
-
-        requests = self.requests = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                requests.append(body)
-                data = json.dumps({"rewards": score(body["prompts"], body["responses"], **body["columns"])}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    return JsonServer(lambda body: (200, {"rewards": score(body["prompts"], body["responses"], **body["columns"])}))
 
 
 def test_a_reward_server_scores_as_the_function_it_serves(short):

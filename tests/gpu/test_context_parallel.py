@@ -15,13 +15,10 @@ tested on the CPU (tests/unit/test_ring_attention.py): torch's ring has no CPU k
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, assert_ok, cli_env, read_metrics, run_cli, save_tiny_model
+from tests.helpers import assert_ok, read_metrics, run_cli, run_worker, save_tiny_model
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 GPUs (cp ranks share each row): "
@@ -54,12 +51,7 @@ def runs(tmp_path_factory):
 
 
 def test_attention_matches_whole_rows_and_is_timed(tmp_path):
-    out = tmp_path / "compare"
-    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-                             "tests.gpu.workers.context_parallel_compare", str(out)],
-                            env=cli_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert_ok(result)
-    reports = [json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    reports = run_worker("tests.gpu.workers.context_parallel_compare", tmp_path / "compare", timeout=600)
     for report in reports:
         for implementation in ("ring", "torch"):
             errors = report[implementation]["errors"]

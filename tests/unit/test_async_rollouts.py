@@ -127,8 +127,11 @@ def test_decoupled_ppo_loss_and_gradient_by_hand():
     torch.testing.assert_close(masked, torch.tensor([[1.25, 0.8, 0.0]]))
 
 
+GRPO = ["recipe=grpo_tiny", "model.name_or_path=x"]  # a path that is never read: no trained base is built
+
+
 def problems(*overrides: str) -> list[str]:
-    return ppo_problems(compose_config(["recipe=grpo_tiny", *overrides]), "grpo", 1)
+    return ppo_problems(compose_config([*GRPO, *overrides]), "grpo", 1)
 
 
 def test_validation_refuses_what_async_rollouts_cannot_do():
@@ -147,7 +150,7 @@ def test_validation_refuses_what_async_rollouts_cannot_do():
     asleep = problems(*vllm, "ppo.off_policy.max_staleness=1", "ppo.rollout.vllm.sleep=true")
     assert any("ppo.rollout.vllm.sleep=false" in p for p in asleep), asleep
     assert any("must be >= 0" in p for p in problems(*vllm, "ppo.off_policy.max_staleness=-1"))
-    cfg = compose_config(["recipe=grpo_tiny", *vllm, "ppo.off_policy.max_staleness=1"])
+    cfg = compose_config([*GRPO, *vllm, "ppo.off_policy.max_staleness=1"])
     with open_dict(cfg), read_write(cfg):
         cfg.ppo.tools = ["my_tools:search"]  # the multi-turn engine wraps the one the queue would bypass
     assert any("ppo.tools / ppo.environment" in p for p in off_policy_problems(cfg.ppo))

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmtrain"
 # the longest prefix listed. Within a floor, the graph must still be acyclic.
 FLOORS = (
     ("llmtrain.config", "llmtrain.paths", "llmtrain.data.errors", "llmtrain.faults", "llmtrain.distributed",
-     "llmtrain.run_metadata", "llmtrain.optim.spec"),
+     "llmtrain.run_metadata", "llmtrain.optim.spec", "llmtrain.user_code"),
     ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards", "llmtrain.optim",
      "llmtrain.doctor", "llmtrain.checkpoint_async"),
     ("llmtrain.backends", "llmtrain.stages", "llmtrain.roles", "llmtrain.trainer", "llmtrain.checkpoint",

@@ -6,6 +6,7 @@ gradients and whole runs: tests/dist/test_sequence_parallel.py.)"""
 import pytest
 import torch
 
+from llmtrain.data.sequence_shard import RowShare
 from llmtrain.losses.dpo import owned_sums, sequence_sums
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.stages.orpo import collate_orpo_pairs
@@ -30,7 +31,7 @@ EXAMPLES = [_pair(3, 4, 2, 0), _pair(2, 5, 3, 11), _pair(4, 1, 6, 23)]  # 2P = 6
 @pytest.mark.parametrize("sp", [2, 3])
 def test_shards_add_up_to_the_whole_sequences(padding_free, sp):
     batch = collate_pairs(EXAMPLES, pad_token_id=0, padding_free=padding_free)
-    shards = [batch.sequence_shard("sdpa_segments", rank, sp, None) for rank in range(sp)]
+    shards = [batch.sequence_shard("sdpa_segments", RowShare(rank, sp)) for rank in range(sp)]
     torch.manual_seed(0)
     width = shards[0].rows.width * sp
     logps = torch.randn(batch.rows.input_ids.shape[0], width)  # (R, W): a log-prob at every padded position
@@ -49,7 +50,7 @@ def test_shards_add_up_to_the_whole_sequences(padding_free, sp):
 @pytest.mark.parametrize("padding_free", [True, False])
 def test_each_last_token_lives_on_one_shard_at_its_place(padding_free):
     batch, sp = collate_pairs(EXAMPLES, pad_token_id=0, padding_free=padding_free), 2
-    shards = [batch.sequence_shard("sdpa_segments", rank, sp, None) for rank in range(sp)]
+    shards = [batch.sequence_shard("sdpa_segments", RowShare(rank, sp)) for rank in range(sp)]
     whole_ids = batch.rows.input_ids.flatten()[batch.ends]  # (2P,) each sequence's last token
     holders = torch.stack([s.ends >= 0 for s in shards])  # (sp, 2P)
     assert torch.equal(holders.sum(0), torch.ones(batch.num_sequences, dtype=torch.long))
@@ -61,11 +62,11 @@ def test_each_last_token_lives_on_one_shard_at_its_place(padding_free):
 
 def test_pairs_are_counted_on_sp_rank_0_only():
     batch = collate_orpo_pairs(EXAMPLES, pad_token_id=0, padding_free=True)
-    shards = [batch.sequence_shard("sdpa_segments", rank, 2, None) for rank in range(2)]
+    shards = [batch.sequence_shard("sdpa_segments", RowShare(rank, 2)) for rank in range(2)]
     assert [s.share for s in shards] == [1.0, 0.0]
     assert [s.num_pairs for s in shards] == [3, 0]
     assert [s.num_chosen_targets for s in shards] == [4 + 5 + 1, 0]  # the chosen replies' targets, on rank 0
     assert torch.equal(shards[0].counted, batch.weight) and not shards[1].counted.any()
     assert all(s.keys == batch.keys and torch.equal(s.margin, batch.margin) for s in shards)
     with pytest.raises(ValueError, match="already a shard"):
-        shards[0].sequence_shard("sdpa_segments", 0, 2, None)
+        shards[0].sequence_shard("sdpa_segments", RowShare(0, 2))

@@ -4,10 +4,7 @@ its scores summed with a reward function's at their weights; bad settings refuse
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -15,55 +12,31 @@ from llmtrain.config import ConfigError
 from llmtrain.stages.ppo.remote_reward import RemoteReward, RewardServerError
 from llmtrain.stages.ppo.rewards import Completions, RewardFunction, combined_scores, score_metrics
 from llmtrain.validation import validate
+from tests.helpers import JsonServer
 
 
-class RewardServer:
-    """Scores each response by its length; `script` answers the first requests otherwise ((status, body) or a
-    sleep in seconds), then it scores."""
+def length_server(script: list | None = None) -> JsonServer:
+    """Scores each response by its length; `script` answers the first requests otherwise ((status, body), or a sleep
+    in seconds before scoring)."""
+    script = list(script or [])
 
-    def __init__(self, script: list | None = None):
-        self.requests: list[dict] = []
-        self.script = list(script or [])
-        server = self
+    def answer(body: dict) -> tuple[int, dict]:
+        step = script.pop(0) if script else None
+        if isinstance(step, tuple):
+            return step
+        if step is not None:
+            time.sleep(step)
+        return 200, {"rewards": [float(len(r)) for r in body["responses"]]}
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append(body)
-                status, answer = 200, {"rewards": [float(len(r)) for r in body["responses"]]}
-                if server.script:
-                    step = server.script.pop(0)
-                    if isinstance(step, float):
-                        time.sleep(step)
-                    else:
-                        status, answer = step
-                data = json.dumps(answer).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up on a slow answer, as it should
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    return JsonServer(answer)
 
 
 @pytest.fixture
 def server_factory():
     started = []
 
-    def start(script=None) -> RewardServer:
-        started.append(RewardServer(script))
+    def start(script=None) -> JsonServer:
+        started.append(length_server(script))
         return started[-1]
 
     yield start

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from llmtrain.compose import compose_config
 from llmtrain.data.collate import collate
 from llmtrain.data.packing import merge_packed
-from llmtrain.data.sequence_shard import row_multiple, sequence_preparer, shard_positions
+from llmtrain.data.sequence_shard import RowShare, row_multiple, sequence_preparer, shard_positions
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.ring_attention import CONTIGUOUS, ZIGZAG, chunk_count, chunks_of, ring_attention
 from llmtrain.models.torch_context_parallel import torch_cp_positions
@@ -126,7 +126,7 @@ def _sample(start, length, prompt=0):
 def test_packed_zigzag_shards_keep_targets_positions_and_whole_row_segments():
     batch = collate([merge_packed([_sample(10, 5), _sample(20, 9, prompt=2), _sample(40, 3)]),
                      merge_packed([_sample(50, 4), _sample(60, 6)])], pad_token_id=0)  # widths 17: padded to 20
-    shards = [sequence_preparer("sdpa_segments", r, 2, cp=2)(batch) for r in range(2)]
+    shards = [sequence_preparer("sdpa_segments", RowShare(r, 2, cp=2))(batch) for r in range(2)]
     index = [shard_positions(20, r, 2, cp=2) for r in range(2)]
     targets = torch.nn.functional.pad(batch.targets(), (0, 3), value=IGNORE_INDEX)  # (B, 20)
     positions = torch.nn.functional.pad(batch.position_ids, (0, 3))

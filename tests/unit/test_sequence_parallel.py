@@ -9,7 +9,7 @@ from llmtrain.compose import compose_config
 from llmtrain.config import ConfigError
 from llmtrain.data.collate import collate
 from llmtrain.data.packing import merge_packed
-from llmtrain.data.sequence_shard import pad_to_multiple, sequence_preparer, shard_batch
+from llmtrain.data.sequence_shard import RowShare, pad_to_multiple, sequence_preparer, shard_batch
 from llmtrain.losses.lm import IGNORE_INDEX
 from llmtrain.models.ulysses_checks import sp_model_problems
 from llmtrain.parallel import ParallelDims
@@ -28,7 +28,7 @@ def _packed():
 
 
 def _shards(batch, sp):
-    return [sequence_preparer("sdpa_segments", rank, sp)(batch) for rank in range(sp)]
+    return [sequence_preparer("sdpa_segments", RowShare(rank, sp))(batch) for rank in range(sp)]
 
 
 @pytest.mark.parametrize("sp", [2, 3, 4])
@@ -76,11 +76,11 @@ def test_padding_is_never_a_refusal_and_carries_no_loss():
     assert padded.width == 8 and padded.labels[0, -1] == IGNORE_INDEX and padded.attention_mask[0, -1] == 0
     assert pad_to_multiple(padded, 4) is padded
     with pytest.raises(ValueError, match="not a multiple of sp=4"):
-        shard_batch(batch.for_attention("sdpa_segments"), 0, 4)
+        shard_batch(batch.for_attention("sdpa_segments"), RowShare(0, 4))
     with pytest.raises(ValueError, match="already a shard"):
-        shard_batch(_shards(padded, 2)[0], 0, 2)
+        shard_batch(_shards(padded, 2)[0], RowShare(0, 2))
     with pytest.raises(ValueError, match="dense"):
-        shard_batch(pad_to_multiple(_packed(), 2).for_attention("sdpa"), 0, 2)
+        shard_batch(pad_to_multiple(_packed(), 2).for_attention("sdpa"), RowShare(0, 2))
 
 
 def test_parallel_dims_with_sp():

@@ -14,7 +14,6 @@ and a response cut at max_new_tokens gets `missing_eos_penalty` added.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -24,27 +23,15 @@ from typing import Callable
 
 import torch
 
-from llmtrain.config import ConfigError
 from llmtrain.distributed import all_reduce_sum
 from llmtrain.models.heads import scores_at
 from llmtrain.stages.ppo.rollout import Rollout, model_inputs
+from llmtrain.user_code import load_attribute
 
 
 def load_reward_function(spec: str) -> Callable:
     """`module:attribute` -> the callable (errors name ppo.reward.function and the fix)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"ppo.reward.function={spec!r} must be module:attribute (e.g. my_rewards:score, with "
-                          "my_rewards.py on PYTHONPATH)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"ppo.reward.function={spec!r}: cannot import {module_name!r} ({error}); put its folder "
-                          "on PYTHONPATH") from error
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f"ppo.reward.function={spec!r}: {module_name} has no callable {attribute!r}")
-    return function
+    return load_attribute(spec, "ppo.reward.function", example="my_rewards:score")
 
 
 RESPONSE_NAMES = ("responses", "completions")  # TRL names them completions

@@ -62,7 +62,7 @@ def _case(kv_heads: int, batch, sp_rank: int, sp: int, group) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtrain.data.sequence_shard import sequence_preparer
+    from llmtrain.data.sequence_shard import RowShare, sequence_preparer
     from llmtrain.models.ulysses import ulysses_attention
 
     config = AutoConfig.for_model("llama", num_key_value_heads=kv_heads, **SIZES)
@@ -75,7 +75,7 @@ def _case(kv_heads: int, batch, sp_rank: int, sp: int, group) -> dict:
     full = batch.for_attention("sdpa_segments")
     ref_logps, ref_sum = _token_logps(whole, full)
     (-ref_sum).backward()
-    shard = sequence_preparer("sdpa_segments", sp_rank, sp)(batch)
+    shard = sequence_preparer("sdpa_segments", RowShare(sp_rank, sp))(batch)
     logps, local_sum = _token_logps(sharded, shard)
     (-local_sum).backward()
     total = local_sum.detach().clone()
@@ -119,6 +119,7 @@ def _pair_case(stage_name: str, sp_rank: int, sp: int, group) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from llmtrain.data.sequence_shard import RowShare
     from llmtrain.losses.pairwise import pairwise_loss_sum
     from llmtrain.models.ulysses import ulysses_attention
     from llmtrain.stages.base import ModelSource
@@ -147,7 +148,7 @@ def _pair_case(stage_name: str, sp_rank: int, sp: int, group) -> dict:
     batch = _pair_batch()
     ref_values, ref_loss = values_and_loss(whole, batch.for_attention("sdpa_segments"))
     ref_loss.backward()
-    shard = batch.sequence_shard("sdpa_segments", sp_rank, sp, group)
+    shard = batch.sequence_shard("sdpa_segments", RowShare(sp_rank, sp, group))
     values, loss = values_and_loss(sharded, shard)
     (loss * shard.share).backward()  # as the stages weigh it: each pair's loss on one peer
     summed = (loss * shard.share).detach().clone()
@@ -175,7 +176,8 @@ def worker(out_dir: Path) -> None:
 
     ctx = init_distributed("cpu", 300)
     dims = ParallelDims.build(ctx.world_size, "cpu", sp=2)
-    sp_rank, sp, group = dims.sequence_parallel()
+    rows = dims.row_share()
+    sp_rank, sp, group = rows.rank, rows.size, rows.group
     register_segment_attention()
     before = {k: AttentionInterface._global_mapping[k] for k in ("sdpa", "sdpa_segments")}
     batches = _batches()

@@ -12,32 +12,15 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Callable
 
 from llmtrain.config import ConfigError
+from llmtrain.user_code import load_attribute
 
 ENVIRONMENT_COLUMN = "environment"  # the row's choice among a dict of factories (TRL's name)
 ENVIRONMENTS_KEYWORD = "environments"  # what reward functions receive: each rollout's instance (TRL's keyword)
 NOT_TOOLS = ("reset", "get_reward")
-
-
-def load_attribute(spec: str, field: str) -> Callable:
-    """`module:attribute` -> the callable; errors name the field and the fix."""
-    module_name, _, attribute = str(spec).partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"{field}={spec!r} must be module:attribute (e.g. my_tools:calculator, with my_tools.py "
-                          "on PYTHONPATH)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # an ImportError, or the module's own code failing on import
-        raise ConfigError(f"{field}={spec!r}: cannot import {module_name!r} ({type(error).__name__}: {error}); "
-                          "put its folder on PYTHONPATH and check that it imports") from error
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f"{field}={spec!r}: {module_name} has no callable {attribute!r}")
-    return function
 
 
 def environment_specs(environment) -> dict:
@@ -145,4 +128,4 @@ def load_environments(environment) -> Environments | None:
 
 
 def load_tools(specs: list[str]) -> list[Callable]:
-    return [load_attribute(spec, "ppo.tools") for spec in specs]
+    return [load_attribute(spec, "ppo.tools", example="my_tools:calculator") for spec in specs]
