@@ -226,8 +226,6 @@ class Checkpointer:
         self._finalize(pending)
         return pending.final
 
-    wait = finalize_pending  # the name a caller that only needs the last checkpoint on disk reads best
-
     def _finalize(self, save: PendingSave) -> None:
         """Every rank's files are in `save.tmp`: rank 0 adds the JSON files, COMPLETE, renames, `latest`, prunes."""
         inject("save", rank=self.ctx.rank, step=save.step)  # tests: a rank killed inside the save

@@ -102,7 +102,15 @@ def collective_guard(*, rank: int, step: int, doing: str, timeout_s: int):
 # ---- test faults ------------------------------------------------------------------------------------
 
 def _parse_fault(text: str) -> dict:
+    """One fault of LLMTRAIN_TEST_FAULT (see the module docstring): a signal, a sleep or a bad batch."""
     fields = dict(part.split("=", 1) for part in text.split(",") if part)
+    if "sleep" in fields:  # sleep=SECONDS,at=data|step|save[,rank=R][,step=S][,every=K]: see _delay
+        if set(fields) - {"sleep", "at", "rank", "step", "every"} or fields.get("at") not in ("data", "step", "save"):
+            raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected sleep=SECONDS,at=data|step|save[,rank=R][,step=S]"
+                             "[,every=K]")
+        return {"kind": "sleep", "seconds": float(fields["sleep"]), "at": fields["at"],
+                "rank": int(fields["rank"]) if "rank" in fields else None,
+                "step": int(fields["step"]) if "step" in fields else None, "every": int(fields.get("every", 1))}
     if fields.get("kind") == "bad_batch":  # rank=R,step=S,kind=bad_batch: see corrupt_batches
         if set(fields) != {"rank", "step", "kind"}:
             raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected rank=R,step=S,kind=bad_batch")
@@ -163,15 +171,11 @@ def _delay(text: str, at: str, *, rank: int, step: int) -> str:
     unless narrowed (`every`: steps divisible by K). Returns the other faults."""
     others = []
     for part in filter(None, text.split(";")):
-        fields = dict(item.split("=", 1) for item in part.split(",") if item)
-        if "sleep" not in fields:
+        fault = _parse_fault(part)
+        if fault["kind"] != "sleep":
             others.append(part)
             continue
-        unknown = set(fields) - {"sleep", "at", "rank", "step", "every"}
-        if unknown or fields.get("at") not in ("data", "step", "save"):
-            raise ValueError(f"{TEST_FAULT_ENV}={text!r}: expected sleep=SECONDS,at=data|step|save[,rank=R][,step=S]"
-                             "[,every=K]")
-        if (fields["at"] == at and int(fields.get("rank", rank)) == rank and int(fields.get("step", step)) == step
-                and step % int(fields.get("every", 1)) == 0):
-            time.sleep(float(fields["sleep"]))
+        if (fault["at"] == at and fault["rank"] in (None, rank) and fault["step"] in (None, step)
+                and step % fault["every"] == 0):
+            time.sleep(fault["seconds"])
     return ";".join(others)

@@ -47,7 +47,7 @@ from llmtrain.models.lora import LoraSettings
 from llmtrain.models.torch_context_parallel import register_cp_attention
 from llmtrain.models.ulysses import ulysses_attention
 from llmtrain.optim.spec import muon_spec
-from llmtrain.parallel import degree_of, degrees_of
+from llmtrain.parallel import degree_of
 from llmtrain.parallel.cp import cp_implementation
 from llmtrain.plan.core import RunPlan, check_backend_against_model
 from llmtrain.plan.fit import run_fit_problems
@@ -142,8 +142,7 @@ def _train_stage(cfg: DictConfig, ctx: DistContext, run_dir: Path, precision: st
         if data.eval_stats is not None:
             log.info("eval data: %s", data.eval_stats.summary())
     backend = build_backend(cfg.backend.name, ctx, precision, backend_options(cfg, run_dir))
-    cp_impl = cp_implementation(cfg.backend, ctx.device.type, packs_rows(cfg, attn), degrees_of(cfg.backend))
-    rows, model_attn = sequence_parallel_attention(backend, attn, cp_impl)
+    rows, model_attn = sequence_parallel_attention(backend, attn, cp_implementation(cfg.backend))
     updates_per_step = stage.optimizer_steps_per_step()
     engines = build_engines(stage.roles, backend, tokenizer,
                             ModelOptions(model_attn, m.dropout, m.activation_checkpointing,

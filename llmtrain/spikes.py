@@ -162,7 +162,7 @@ def roll_back(trainer) -> None:
     skipped (counted in spike_skipped_steps)."""
     monitor, rule, spike_step = trainer.spikes, trainer.s.spike, trainer.step
     run_dir = trainer.checkpointer.dir.parent
-    trainer.checkpointer.wait()
+    trainer.checkpointer.finalize_pending()  # a save in flight is the checkpoint to roll back to
     target = latest_complete(trainer.checkpointer.dir) or trainer.resumed_from
     if target is None:
         monitor.spike_skipped_steps += 1

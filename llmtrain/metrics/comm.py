@@ -66,6 +66,24 @@ def ring_factor(kind: str, group: int) -> float:
     return (2.0 if kind == "all_reduce" else 1.0) * (group - 1) / group
 
 
+@contextlib.contextmanager
+def wrapped_collectives(names, wrap):
+    """For the block, each of torch.distributed's functions `names` (those this torch has) is `wrap(name, original)`
+    in both namespaces (`torch.distributed` and `distributed_c10d`: callers use either), the original being c10d's;
+    restored after, whatever happens. Wrappers nest: one opened inside another wraps its wrappers."""
+    names = [name for name in names if hasattr(c10d, name)]
+    saved = {(module, name): getattr(module, name) for module in (dist, c10d) for name in names
+             if hasattr(module, name)}
+    wrapped = {name: wrap(name, getattr(c10d, name)) for name in names}
+    try:
+        for module, name in saved:
+            setattr(module, name, wrapped[name])
+        yield
+    finally:
+        for (module, name), function in saved.items():
+            setattr(module, name, function)
+
+
 class CommCounter:
     """Payload, wire bytes and calls per collective kind on this rank."""
 
@@ -144,16 +162,8 @@ class CommCounter:
     @contextlib.contextmanager
     def counting(self):
         """Wrap the collectives for the block; the originals are restored after it, whatever happens."""
-        saved = {(module, name): getattr(module, name) for module in (dist, c10d) for name in COLLECTIVES}
-        originals = {name: getattr(c10d, name) for name in COLLECTIVES}
-        try:
-            for module, name in saved:
-                setattr(module, name, self._wrap(name, originals[name]))
-            with self._counting_sends(), self._counting_ring():
-                yield self
-        finally:
-            for (module, name), function in saved.items():
-                setattr(module, name, function)
+        with wrapped_collectives(COLLECTIVES, self._wrap), self._counting_sends(), self._counting_ring():
+            yield self
 
     def local(self) -> dict[str, float]:
         """`<kind>_payload`, `<kind>_wire`, `<kind>_calls` for every kind (zeros too: every rank has the same keys)."""

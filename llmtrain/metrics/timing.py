@@ -32,8 +32,8 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+
+from llmtrain.metrics.comm import wrapped_collectives
 
 PHASES = ("data", "compute", "optim", "comm", "ckpt", "eval", "other")
 ABSORBING = ("ckpt", "eval")  # a collective inside these counts as theirs, not as exposed communication
@@ -182,7 +182,7 @@ class CommTimer:
     def __init__(self, clock: StepClock):
         self.clock = clock
 
-    def _wrap(self, original):
+    def _wrap(self, name: str, original):
         clock = self.clock
 
         def timed(*args, **kwargs):
@@ -194,17 +194,8 @@ class CommTimer:
 
     @contextlib.contextmanager
     def timing(self):
-        names = [name for name in TIMED if hasattr(c10d, name)]
-        saved = {(module, name): getattr(module, name) for module in (dist, c10d) for name in names
-                 if hasattr(module, name)}
-        wrapped = {name: self._wrap(getattr(c10d, name)) for name in names}
-        try:
-            for module, name in saved:
-                setattr(module, name, wrapped[name])
+        with wrapped_collectives(TIMED, self._wrap):
             yield self
-        finally:
-            for (module, name), function in saved.items():
-                setattr(module, name, function)
 
 
 def busy(times: dict[str, float]) -> float:

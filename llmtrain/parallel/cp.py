@@ -84,8 +84,9 @@ def torch_cp_blocker(device_type: str, packed: bool, degrees: dict) -> str | Non
     return None
 
 
-def cp_implementation(backend: Any, device_type: str, packed: bool, degrees: dict) -> str:
-    """"ring" or "torch": what backend.cp_implementation (absent: auto) runs on this device and layout."""
+def cp_implementation(backend: Any) -> str:
+    """"ring" or "torch": what backend.cp_implementation (absent: auto) runs (`torch` where it cannot run is refused
+    before: config_problems)."""
     requested = getattr(backend, "cp_implementation", "auto")
     return "ring" if requested == "auto" else requested  # auto: the ring, the path tested here (module docstring)
 

@@ -150,7 +150,7 @@ def fake_trainer(tmp_path: Path, monitor: SpikeMonitor, with_checkpoint: bool):
         (checkpoints / "step_4").mkdir(parents=True)
         (checkpoints / "step_4" / "COMPLETE").write_text("step 4\n")
     waited = []
-    checkpointer = SimpleNamespace(dir=checkpoints, wait=lambda: waited.append(True))
+    checkpointer = SimpleNamespace(dir=checkpoints, finalize_pending=lambda: waited.append(True))
     return SimpleNamespace(spikes=monitor, s=SimpleNamespace(spike=monitor.rule), step=7, checkpointer=checkpointer,
                            resumed_from=None, waited=waited)
 

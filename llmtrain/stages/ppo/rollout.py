@@ -119,8 +119,8 @@ def _repeat(values: list, n: int) -> list:
     return [value for value in values for _ in range(n)]
 
 
-def _left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int,
-              pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, p) ids and mask -> (b, width), padding on the left (a prompt's padding never follows its tokens)."""
     extra = width - ids.shape[1]
     return F.pad(ids, (extra, 0), value=pad_token_id), F.pad(mask, (extra, 0), value=0)
 
@@ -153,6 +153,20 @@ def drawer(model, settings: SamplingSettings, pad_token_id: int, eos_ids: list[i
     return generated
 
 
+@contextlib.contextmanager
+def sampling_model(actor, seed: int, device: torch.device):
+    """(the actor's model made whole for generation, the seconds that took: ZeRO-3's gather, FSDP2's unshard), with
+    no grad, the actor's autocast, transformers' neutral generation config, and the sampling RNG seeded from `seed` on
+    a fork of the global one (a rollout does not depend on what drew from it before, so resume replays it)."""
+    devices = [device] if device.type == "cuda" else []
+    start = time.perf_counter()
+    with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
+        gather_s = time.perf_counter() - start
+        torch.manual_seed(seed)
+        with actor.autocast(), neutral_generation_config(model):
+            yield model, gather_s
+
+
 def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int, eos_ids: list[int],
              seed: int, group=None) -> Rollout:
     """Sample `n_samples_per_prompt` responses per prompt (a prompt's samples consecutive: a GRPO group).
@@ -162,14 +176,9 @@ def generate(actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token
     n = settings.n_samples_per_prompt
     ids, mask = padded_prompts(batch, n, pad_token_id, group)
     width = ids.shape[1]
-    devices = [ids.device] if ids.device.type == "cuda" else []
-    start = time.perf_counter()
-    with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
-        gather_s = time.perf_counter() - start
-        torch.manual_seed(seed)
-        with actor.autocast(), neutral_generation_config(model):
-            draw, size = drawer(model, settings, pad_token_id, eos_ids), settings.batch_size or ids.shape[0]
-            outs = [draw(ids[i:i + size], mask[i:i + size]) for i in range(0, ids.shape[0], size)]
+    with sampling_model(actor, seed, ids.device) as (model, gather_s):
+        draw, size = drawer(model, settings, pad_token_id, eos_ids), settings.batch_size or ids.shape[0]
+        outs = [draw(ids[i:i + size], mask[i:i + size]) for i in range(0, ids.shape[0], size)]
     longest = max(out.shape[1] for out, _ in outs)  # a shorter call's rows all ended: pad after their EOS
     out = torch.cat([F.pad(out, (0, longest - out.shape[1]), value=pad_token_id) for out, _ in outs])
     logps = torch.cat([F.pad(lp, (0, longest - width - lp.shape[1])) for _, lp in outs])  # (B, a)
@@ -198,7 +207,7 @@ def padded_prompts(batch: PromptBatch, n: int, pad_token_id: int, group) -> tupl
     """Each prompt repeated n times (a group's samples consecutive), left-padded to the widest on any rank."""
     ids, mask = batch.input_ids.repeat_interleave(n, 0), batch.attention_mask.repeat_interleave(n, 0)  # (B, P)
     width = int(all_reduce_max(torch.tensor([ids.shape[1]], device=ids.device), group).item())
-    return _left_pad(ids, mask, width, pad_token_id)
+    return left_pad(ids, mask, width, pad_token_id)
 
 
 def decode_responses(tokenizer, rollout: Rollout, eos_ids: list[int]) -> list[str]:

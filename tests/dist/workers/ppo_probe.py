@@ -58,17 +58,24 @@ def local_rows(rollout: Rollout, scores: torch.Tensor, rank: int, world: int) ->
                    rollout.ended[rows], rollout.prompts[rows], {}, rollout.real[rows]), scores[rows]
 
 
+def stage_and_engines(cfg, model_dir: str, out: Path, ctx) -> tuple:
+    """(tokenizer, stage, engines) of the config's stage on this process group as a run builds them: fp32, sdpa,
+    seed 1234, the model and tokenizer of `model_dir`."""
+    tokenizer = load_tokenizer(model_dir, False)
+    stage = build_stage(cfg, tokenizer, "sdpa")
+    backend = build_backend(cfg.backend.name, ctx, "fp32", backend_options(cfg, out))
+    engines = build_engines(stage.roles, backend, tokenizer, ModelOptions("sdpa", 0.0, False), 1234,
+                            optimizer_spec(cfg, stage.optimizer_steps_per_step()))
+    return tokenizer, stage, engines
+
+
 def main(model_dir: str, backend_name: str, out: Path) -> None:
     cfg = compose_config(["recipe=ppo_tiny", f"model.name_or_path={model_dir}", f"backend={backend_name}",
                           "ppo.rollout.prompts_per_step=2", "ppo.mini_batch_size=4", "ppo.epochs=2",
                           "trainer.micro_batch_size=2", "ppo.rollout.max_new_tokens=12", f"output_dir={out}"])
     ctx = init_distributed("cpu", 120)
     try:
-        tokenizer = load_tokenizer(model_dir, False)
-        stage = build_stage(cfg, tokenizer, "sdpa")
-        backend = build_backend(cfg.backend.name, ctx, "fp32", backend_options(cfg, out))
-        engines = build_engines(stage.roles, backend, tokenizer, ModelOptions("sdpa", 0.0, False), 1234,
-                                optimizer_spec(cfg, stage.optimizer_steps_per_step()))
+        tokenizer, stage, engines = stage_and_engines(cfg, model_dir, out, ctx)
         actor = engines["actor"]
         prompt = torch.tensor([[tokenizer.bos_token_id, 40, 41, 42 + ctx.rank]])
         batch = PromptBatch(prompt, torch.ones_like(prompt), [""], {}, torch.ones(1, dtype=torch.bool))

@@ -17,17 +17,13 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.backends import build_backend
 from llmtrain.compose import compose_config
 from llmtrain.data.prompts import PromptBatch
 from llmtrain.distributed import init_distributed, quiesce, shutdown
-from llmtrain.models.load import load_tokenizer
-from llmtrain.roles import ModelOptions, build_engines
-from llmtrain.run import backend_options, optimizer_spec
 from llmtrain.stages.ppo.experience import gather_rollout, make_experience
-from llmtrain.stages.registry import build_stage
 from llmtrain.trainer import Updater
 from llmtrain.validation import validate
+from tests.dist.workers.ppo_probe import stage_and_engines
 from tests.dist.workers.tools import conversations
 
 OVERRIDES = ["recipe=grpo_tiny", "backend=ddp", "ppo.tools=[tests.dist.workers.tools:add]",
@@ -42,11 +38,7 @@ def main(model_dir: str, out: Path) -> None:
     ctx = init_distributed("cpu", 120)
     try:
         validate(cfg, world_size=ctx.world_size)
-        tokenizer = load_tokenizer(model_dir, False)
-        stage = build_stage(cfg, tokenizer, "sdpa")
-        backend = build_backend(cfg.backend.name, ctx, "fp32", backend_options(cfg, out))
-        engines = build_engines(stage.roles, backend, tokenizer, ModelOptions("sdpa", 0.0, False), 1234,
-                                optimizer_spec(cfg, stage.optimizer_steps_per_step()))
+        tokenizer, stage, engines = stage_and_engines(cfg, model_dir, out, ctx)
         actor = engines["actor"]
         conversation = conversations()[ctx.rank]  # rank r asks the r-th question
         batch = PromptBatch(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long),

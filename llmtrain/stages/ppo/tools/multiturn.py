@@ -15,11 +15,9 @@ trajectory ends (TRL's rule); every such end is counted.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
 from llmtrain.config import ConfigError
 from llmtrain.distributed import all_reduce_max, all_reduce_sum
@@ -81,15 +79,10 @@ class MultiTurnEngine:
         prompts = [p for p in batch.prompts for _ in range(n)]
         columns = {k: [v for v in values for _ in range(n)] for k, values in batch.columns.items()}
         trajectories, instances = self._start(prompts, columns)
-        devices = [batch.input_ids.device] if batch.input_ids.device.type == "cuda" else []
-        start = time.perf_counter()
-        with torch.no_grad(), actor.generation_context() as model, torch.random.fork_rng(devices=devices):
-            gather_s = time.perf_counter() - start
-            torch.manual_seed(seed)
-            with actor.autocast(), single_turn.neutral_generation_config(model):
-                while not all(t.done for t in trajectories):
-                    self._turn(model, [t for t in trajectories if not t.done], settings, pad_token_id, eos_ids,
-                               batch.input_ids.device)
+        with single_turn.sampling_model(actor, seed, batch.input_ids.device) as (model, gather_s):
+            while not all(t.done for t in trajectories):
+                self._turn(model, [t for t in trajectories if not t.done], settings, pad_token_id, eos_ids,
+                           batch.input_ids.device)
         if instances is not None:
             columns[ENVIRONMENTS_KEYWORD] = instances
         out = laid_out(trajectories, pad_token_id, batch.input_ids.device, group)
@@ -187,9 +180,8 @@ def laid_out(trajectories: list[Trajectory], pad_token_id: int, device, group) -
     local = torch.tensor([max(len(t.prompt) for t in trajectories), max(max(len(t.completion) for t in trajectories),
                                                                          1)], device=device)
     prompt_width, num_actions = (int(v) for v in all_reduce_max(local, group).tolist())
-    ids, prompt_mask = left_padded([t.prompt for t in trajectories], pad_token_id, device)
-    ids, prompt_mask = (F.pad(ids, (prompt_width - ids.shape[1], 0), value=pad_token_id),
-                        F.pad(prompt_mask, (prompt_width - ids.shape[1], 0)))
+    ids, prompt_mask = single_turn.left_pad(*left_padded([t.prompt for t in trajectories], pad_token_id, device),
+                                             prompt_width, pad_token_id)
 
     def right(values: list, fill) -> list:
         return values + [fill] * (num_actions - len(values))
