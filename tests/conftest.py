@@ -62,7 +62,8 @@ def vllm_server(vllm_python, vllm_model_dir, tmp_path_factory):
     that use it push their own weights into it before they sample), stopped at the end."""
     from llmtrain.stages.ppo.engines.vllm_server import ServerSettings, VLLMServer
 
-    settings = ServerSettings(python=vllm_python, precision="fp32", max_model_len=256, start_timeout_s=600)
+    # 512: the tool-calling tests' prompts render the tool's schema (~310 tokens) before up to 144 new tokens
+    settings = ServerSettings(python=vllm_python, precision="fp32", max_model_len=512, start_timeout_s=600)
     server = VLLMServer(settings, vllm_model_dir, tmp_path_factory.mktemp("vllm") / "server.log", gpu=False)
     try:
         yield server

@@ -8,6 +8,7 @@ The `preference` encoder returns a pair instead: `chosen_*` and `rejected_*` ids
 (`unpaired_format`). `FORMAT_SPECS` is the registry of every format (data/format_spec.py).
 """
 
+import json
 from dataclasses import asdict, dataclass
 
 from llmtrain.data import preference_format, unpaired_format
@@ -193,13 +194,16 @@ def _encode_prompt_and_response(prompt: str, response: str, tokenizer, max_seq_l
 
 
 def encode_messages(row: dict, tokenizer, max_seq_len: int | None = None, overlong: str = "truncate") -> dict:
-    """Chat rendered by the tokenizer's template; only assistant turns (through end-of-turn) are targets.
+    """Chat rendered by the tokenizer's template; only assistant turns (through end-of-turn) are targets: a turn that
+    calls tools is one, the tool results (`role: tool`) are context.
 
-    The template owns the special tokens (a bos included), so none are added here.
+    The template owns the special tokens (a bos included), so none are added here. A `tools` column (the JSON
+    schemas of the tools, as a list or a JSON string: TRL's SFTTrainer's column) is rendered into every prompt as the
+    template renders tools, so the model learns its calls in the context a tool-calling rollout gives it.
     """
-    messages = row["messages"]
-    ids = chat_ids(tokenizer, messages, add_generation_prompt=False)
-    turns = _assistant_turns(tokenizer, messages, ids)
+    messages, tools = row["messages"], row_tools(row)
+    ids = chat_ids(tokenizer, messages, add_generation_prompt=False, tools=tools)
+    turns = _assistant_turns(tokenizer, messages, ids, tools)
     fitted = _fit_conversation(ids, turns, max_seq_len, overlong)
     if fitted is None:
         return _dropped(DROPPED_OVERLONG)
@@ -210,7 +214,24 @@ def encode_messages(row: dict, tokenizer, max_seq_len: int | None = None, overlo
     return {"input_ids": ids, "labels": labels, "outcome": outcome}
 
 
-def _assistant_turns(tokenizer, messages: list[dict], full_ids: list[int]) -> list[AssistantTurn]:
+def row_tools(row: dict) -> list[dict] | None:
+    """The row's `tools` column as a list of JSON schemas (None when absent or empty)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as error:
+            raise DataConfigError(f"data.format=messages: the `tools` column holds a string that is not JSON "
+                                  f"({error}); give the tools' JSON schemas as a list, or that list as a JSON "
+                                  "string") from error
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataConfigError(f"data.format=messages: the `tools` column must be a list of JSON schemas (or that list "
+                              f"as a JSON string), got {type(tools).__name__}")
+    return tools or None
+
+
+def _assistant_turns(tokenizer, messages: list[dict], full_ids: list[int],
+                     tools: list[dict] | None = None) -> list[AssistantTurn]:
     """Token span of each assistant reply, found by rendering the conversation up to it."""
     special_ids = special_token_ids(tokenizer)
     turns = []
@@ -221,8 +242,8 @@ def _assistant_turns(tokenizer, messages: list[dict], full_ids: list[int]) -> li
             raise DataConfigError("data.format=messages: a conversation starts with an assistant message; "
                                   "transformers cannot render the empty context before it, so its loss "
                                   "span is unknown; start every conversation with a system or user message")
-        before = chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
-        through = chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = chat_ids(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if through[: len(before)] != before or full_ids[: len(through)] != through:
             raise DataConfigError(
                 f"data.format=messages: the chat template of model.tokenizer does not render turns "
@@ -265,7 +286,7 @@ DATA_FORMATS = (
     DataFormat("prompt_response", columns=(("prompt",), ("response", "completion")), encode=encode_prompt_response,
                synthetic=reversal_samples),
     DataFormat("alpaca", columns=(("instruction",), ("output",)), encode=encode_alpaca, optional=("input",)),
-    DataFormat("messages", columns=(("messages",),), encode=encode_messages),
+    DataFormat("messages", columns=(("messages",),), encode=encode_messages, optional=("tools",)),
 )
 # The format registry: every format by name.
 FORMAT_SPECS: dict[str, DataFormat] = {

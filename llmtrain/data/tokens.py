@@ -19,9 +19,11 @@ def turn_span(start: int, through: list[int], special_ids: set[int]) -> Assistan
     return AssistantTurn(start, markers[-1], markers[-1] + 1)
 
 
-def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> list[int]:
+    """The chat template's tokens; `tools` (JSON schemas or functions) rendered as the template renders them (`or
+    None`, as TRL: some templates render tool boilerplate for an empty list)."""
     rendered = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+        messages, tools=tools or None, tokenize=True, add_generation_prompt=add_generation_prompt
     )
     # transformers 5 returns a BatchEncoding here; older versions a plain list
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)

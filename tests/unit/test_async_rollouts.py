@@ -16,7 +16,7 @@ from llmtrain.losses.ppo import policy_loss_terms
 from llmtrain.stages.ppo.async_rollout import AsyncRollouts, needs_sync, off_policy_problems, version_number
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.engines.http import EngineError
-from llmtrain.stages.ppo.engines.vllm import Requests, _check_versions
+from llmtrain.stages.ppo.engines.vllm import Requests, VLLMEngine, _check_versions
 
 
 class RecordingEngine:
@@ -40,6 +40,8 @@ class RecordingEngine:
 
     def collect(self, actor, batch, requests, settings, **options):
         return batch, requests.answers()[0][0]
+
+    checkpointed = staticmethod(VLLMEngine.checkpointed)  # what a save keeps of the answers: the engine's own
 
 
 def run(queue: AsyncRollouts, first: int, last: int, position: int) -> list[tuple]:
@@ -150,7 +152,12 @@ def test_validation_refuses_what_async_rollouts_cannot_do():
     asleep = problems(*vllm, "ppo.off_policy.max_staleness=1", "ppo.rollout.vllm.sleep=true")
     assert any("ppo.rollout.vllm.sleep=false" in p for p in asleep), asleep
     assert any("must be >= 0" in p for p in problems(*vllm, "ppo.off_policy.max_staleness=-1"))
+    # multi-turn rollouts with tools are requested ahead (on vLLM); environments' instances cannot be
+    tools = ["ppo.tools=[tests.dist.workers.tools:add]"]
+    assert not problems(*vllm, *tools, "ppo.off_policy.max_staleness=1")
+    assert not problems(*vllm, *tools)
     cfg = compose_config([*GRPO, *vllm, "ppo.off_policy.max_staleness=1"])
     with open_dict(cfg), read_write(cfg):
-        cfg.ppo.tools = ["my_tools:search"]  # the multi-turn engine wraps the one the queue would bypass
-    assert any("ppo.tools / ppo.environment" in p for p in off_policy_problems(cfg.ppo))
+        cfg.ppo.environment = "my_envs:Env"
+    assert any("ppo.environment's instances hold the state" in p and "use ppo.tools" in p
+               for p in off_policy_problems(cfg.ppo))

@@ -84,7 +84,8 @@ def test_every_group_option_composes(group, option):
                        "kto": ["data=reverse_prefs_easy", *pairs], "ppo": rl, "grpo": rl},
              "data": {"reverse": ["stage=sft"], "alpaca": ["stage=sft"], "reverse_prefs": ["stage=reward", *pairs],
                       "reverse_prefs_easy": ["stage=dpo", *pairs], "hh_rlhf": ["stage=reward", *pairs],
-                      "ultrafeedback_prompts": ["stage=ppo", *rl[1:]]}}
+                      "ultrafeedback_prompts": ["stage=ppo", *rl[1:]], "lookup_traces": ["stage=sft"],
+                      "lookup": ["stage=grpo", "ppo.reward.function=llmtrain.tasks.lookup:score", *pairs]}}
     overrides = extra.get(group, {}).get(option, [])
     world_size = {("backend", "fsdp2_tp"): 2}.get((group, option), 1)  # tp=2 needs two ranks
     cfg = compose_ok("recipe=pretrain_tiny", f"{group}={option}", *overrides, world_size=world_size)

@@ -236,3 +236,30 @@ def test_template_that_is_not_incremental_is_a_config_error(tokenizer):
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     with pytest.raises(DataConfigError, match="prefix"):
         FORMATS["messages"](row, odd)
+
+
+def test_messages_with_tools_train_on_the_call_and_the_answer_never_the_tool_result(tokenizer):
+    """A tool-call trace (llmtrain/tasks/lookup.py's, read from the shipped JSONL as a run reads it): the `tools`
+    column is rendered into the prompt exactly as the tool-calling rollout renders ppo.tools, and the targets are the
+    assistant's two turns (the call, the answer), not the tool's result."""
+    from llmtrain.paths import ASSETS_DIR
+    from llmtrain.stages.ppo.tools.parsing import prompt_ids
+    from llmtrain.tasks.lookup import code_of, lookup
+
+    row = datasets.load_dataset("json", data_files=str(ASSETS_DIR / "data/lookup_traces_eval.jsonl"), split="train")[0]
+    key = row["messages"][0]["content"].removeprefix("code of ")
+    encoded = FORMATS["messages"](row, tokenizer)
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "' + key + '"}}\n</tool_call><|end|>'
+    assert target_runs(tokenizer, encoded) == [call, f"{code_of(key)}<|end|>"]
+    assert f"<tool_response>\n{code_of(key)}\n</tool_response>" in context_text(tokenizer, encoded)
+    rollout_prompt = prompt_ids(tokenizer, row["messages"][:1], [lookup])  # what tool_tiny's rollouts continue
+    assert encoded["input_ids"][:len(rollout_prompt)] == rollout_prompt
+    assert encoded["labels"][:len(rollout_prompt)] == [IGNORE_INDEX] * len(rollout_prompt)
+    assert '"name": "lookup"' in tokenizer.decode(rollout_prompt)
+
+
+@pytest.mark.parametrize("tools", ["not json", '{"name": "f"}', 3])
+def test_a_tools_column_that_is_not_a_list_of_schemas_is_a_config_error(tokenizer, tools):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "tools": tools}
+    with pytest.raises(DataConfigError, match="`tools` column"):
+        FORMATS["messages"](row, tokenizer)

@@ -6,6 +6,7 @@ validation."""
 from __future__ import annotations
 
 import importlib.resources
+import json
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from llmtrain.config import ConfigError
 from llmtrain.stages.ppo.tools import tool_problems
 from llmtrain.stages.ppo.tools.executor import run_tool_calls
 from llmtrain.stages.ppo.tools.loading import Environments, load_environments
-from llmtrain.stages.ppo.tools.multiturn import MultiTurnEngine, ToolSettings, Trajectory, laid_out
+from llmtrain.stages.ppo.tools.multiturn import MultiTurnEngine, ToolSettings, Trajectory, from_record, laid_out, record
 from llmtrain.stages.ppo.tools.parsing import parsed_turn, tool_suffix_ids, with_response_parser
 from llmtrain.validation import validate
 from tests.dist.workers import tools as T
@@ -133,6 +134,23 @@ def test_a_turn_runs_its_call_and_masks_the_result(tokenizer):
         return_dict=True)["input_ids"][:-1]  # token-exact: the template's rendering of the whole conversation
 
 
+def test_a_finished_trajectory_is_saved_whole(tokenizer):
+    """ppo.off_policy saves a multi-turn rollout in flight as JSON records (stage.json): laid out again, it is the same
+    rollout, its tool counts and conversation included."""
+    e = engine(tokenizer)
+    t = e._start([[{"role": "user", "content": "add 12 and 34"}]], {})[0][0]
+    turn = call_ids(tokenizer, '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 34}}\n</tool_call><|end|>')
+    e._after_turn(t, turn, [-1 / 3] * len(turn), stops(tokenizer), total=200)
+    answer = call_ids(tokenizer, "46<|end|>")
+    e._after_turn(t, answer, [-0.1] * len(answer), stops(tokenizer), total=200)
+    back = from_record(json.loads(json.dumps(record(t))))
+    assert (back.messages, back.stats, back.outcome, back.text, back.iterations) == \
+        (t.messages, t.stats, t.outcome, t.text, t.iterations) and back.stats.calls == 1
+    before, after = laid_out([t], 0, "cpu", None), laid_out([back], 0, "cpu", None)
+    for name in ("sequences", "attention_mask", "action_mask", "ended", "engine_logps"):
+        assert torch.equal(getattr(before, name), getattr(after, name)), name
+
+
 @pytest.mark.parametrize("case", ["never_closed", "iterations", "result_overlong"])
 def test_counted_ends(tokenizer, case):
     e = engine(tokenizer, max_iterations=0 if case == "iterations" else None)
@@ -201,8 +219,6 @@ BASE = ["recipe=grpo_tiny", "model.name_or_path=x", "ppo.rollout.max_new_tokens=
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["ppo.tools=[tests.dist.workers.tools:add]", "ppo.rollout.engine=vllm",
-      "ppo.rollout.vllm.urls=[http://h:1]"], "ppo.rollout.engine=vllm samples each response in one request"),
     (["ppo.environment=no_such_module_xyz:Env"], "ppo.environment='no_such_module_xyz:Env': cannot import"),
     (["ppo.environment={chess: no_such_module_xyz:Env}"], "ppo.environment.chess="),
     (["ppo.tools=[tests.dist.workers.tools:undocumented]"], "ppo.tools: tool 'undocumented' cannot be described"),

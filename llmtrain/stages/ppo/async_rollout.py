@@ -21,8 +21,12 @@ ppo.importance_sampling's (`is_weights`: one mechanism, which validation require
 
 Seeds: iteration j's rollout is seeded as the on-policy loop seeds it (run seed, j, dp rank), whenever it is sent.
 Resume: a save waits for the requests in flight and stores their answers (token ids, engine log-probs, weight
-versions) in the stage's state, every rank's; the resumed run re-draws their prompt batches and requests only what
-was not sent: the same rollouts as the uninterrupted run.
+versions; multi-turn: each finished trajectory, tool results included) in the stage's state, every rank's; the
+resumed run re-draws their prompt batches and requests only what was not sent: the same rollouts as the
+uninterrupted run.
+
+Multi-turn (ppo.tools): a rollout's whole loop (each turn's requests, the tool calls) runs in a background thread
+from `submit`; `collect`, on the main thread, lays it out and counts the tool metrics (the collectives).
 """
 
 from __future__ import annotations
@@ -57,18 +61,9 @@ def needs_sync(held: int | None, trained_at: int, max_staleness: int) -> bool:
     return held is None or (trained_at - 1) - held > max_staleness
 
 
-def slim(choice: dict) -> dict:
-    """What a checkpoint keeps of a server's choice: what the engine lays out and checks (engines/vllm.py)."""
-    content = (choice.get("logprobs") or {}).get("content", [])
-    return {"index": choice.get("index"), "token_ids": choice["token_ids"],
-            "logprobs": {"content": [{"logprob": entry["logprob"]} for entry in content]},
-            "finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason"),
-            "weight_versions": choice.get("weight_versions")}
-
-
 class AsyncRollouts:
-    """The queue of rollouts in flight on this rank; `engine`: a VLLMEngine (`submit`, `collect`, `sync`,
-    `weight_version`)."""
+    """The queue of rollouts in flight on this rank; `engine`: a VLLMEngine, or the multi-turn engine around one
+    (`submit`, `collect`, `sync`, `weight_version`, `checkpointed`)."""
 
     def __init__(self, engine, max_staleness: int):
         self.engine, self.k = engine, max_staleness
@@ -134,7 +129,7 @@ class AsyncRollouts:
         """Every rank's rollouts in flight, answered (waits for them; a collective: every rank saves)."""
         mine = [{"iteration": e.iteration, "version": e.version, "url": e.requests.url,
                  "weight_version": e.requests.version,
-                 "answers": [[slim(choice) for choice in answer] for answer in e.requests.answers()]}
+                 "answers": self.engine.checkpointed(e.requests)}
                 for e in self.queue]
         ranks = [mine]
         if dist.is_initialized():
@@ -182,9 +177,12 @@ def off_policy_problems(p) -> list[str]:
     if p.filter_groups:
         problems.append(f"{off}: ppo.filter_groups=true draws more prompts inside an iteration, which the rollouts "
                         "requested ahead cannot follow: set ppo.filter_groups=false, or ppo.off_policy.max_staleness=0")
-    if getattr(p, "tools", None) or getattr(p, "environment", None) is not None:
-        problems.append(f"{off}: multi-turn rollouts (ppo.tools / ppo.environment) are not requested ahead yet; "
-                        "drop them, or set ppo.off_policy.max_staleness=0")
+    if getattr(p, "environment", None) is not None:
+        problems.append(f"{off}: ppo.environment's instances hold the state their get_reward reads when the rollout "
+                        "is scored, and the pool hands them to the next rollout, which would reset them while the "
+                        "one requested ahead is in flight; nor can a checkpoint save them for a rollout in flight "
+                        "(user objects): use ppo.tools (rollouts requested ahead are saved whole), or "
+                        "ppo.off_policy.max_staleness=0")
     if p.rollout.vllm.sleep:
         problems.append(f"{off}: ppo.rollout.vllm.sleep=true frees the engine's memory while the trainer updates, "
                         "when it would sample the next rollouts: set ppo.rollout.vllm.sleep=false (the engine on "

@@ -90,13 +90,14 @@ def conversations() -> list[list[dict]]:
 
 
 def save_memorized_model(directory, steps: int = 100, seed: int = 0):
-    """A tiny Llama trained to complete `conversations()` rendered with the tool `add` (its loss on what
-    follows each prompt), saved
-    with the shipped tokenizer: sampled at temperature 1 it calls the tools as the conversations do."""
+    """A tiny Llama of conf/model/tiny_llama.yaml's architecture (the session vLLM server's: its weights can be pushed
+    there) trained to complete `conversations()` rendered with the tool `add` (its loss on what follows each prompt),
+    saved with the shipped tokenizer: sampled at temperature 1 it calls the tools as the conversations do."""
     import torch
+    import yaml
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tests.helpers import TOKENIZER_DIR
+    from tests.helpers import REPO, TOKENIZER_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     rows = [tokenizer.apply_chat_template(c, tools=[add], tokenize=True, return_dict=True)["input_ids"]
@@ -105,9 +106,9 @@ def save_memorized_model(directory, steps: int = 100, seed: int = 0):
     ids = torch.tensor([r + [tokenizer.eos_token_id] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=1024))
+    sizes = yaml.safe_load((REPO / "conf" / "model" / "tiny_llama.yaml").read_text())["from_config"]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **{k: v for k, v in sizes.items()
+                                                                       if k != "model_type"}))
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
     prompt = [len(tokenizer.apply_chat_template(c[:1], tools=[add], add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]) for c in conversations()]

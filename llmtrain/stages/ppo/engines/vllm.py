@@ -13,17 +13,23 @@ verified.
   server, has it reload the folder, resets its prefix cache (the cached KV of the old weights), names the new
   version, resumes it and reads the version back. Verification: a fixed probe sequence's log-probs from the
   server equal the trainer's within ppo.rollout.vllm.sync_tolerance (`sync_max_abs`), or every rank stops.
+- Multi-turn rollouts (ppo.tools, stages/ppo/tools/multiturn.py): each turn sends every active trajectory's
+  token ids (prompt and completion so far) as one request (n=1, max_tokens its budget, a seed per trajectory and
+  turn), every token checked against the version held when the rollout began (`TurnDrawer`); with ppo.off_policy the
+  whole loop runs in a background thread (`submit_work`), which a sync waits for like any request in flight.
 - Colocated on the training GPUs (`sleep=true`): the server sleeps (frees its memory) while the trainer updates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -55,7 +61,7 @@ class Requests:
     """One rank's generate requests for one prompt batch, in flight or answered."""
     url: str
     version: str | None  # the weight version the server held when they were sent: every token must come from it
-    futures: list[Future]  # one per prompt: its n choices (the server's JSON), in order
+    futures: list[Future]  # one per prompt: its n choices (the server's JSON); multi-turn: one, the trajectories
 
     def done(self) -> bool:
         return all(future.done() for future in self.futures)
@@ -285,6 +291,34 @@ class VLLMEngine:
                       timeout_s=self.settings.request_timeout_s)
         return sorted(answer["choices"], key=lambda choice: choice["index"])
 
+    @contextlib.contextmanager
+    def turns(self, actor, settings: SamplingSettings, *, pad_token_id: int, eos_ids: list[int], seed: int, device):
+        """Multi-turn: (a TurnDraw through this rank's server, no gather: 0 s), engines/__init__.py's protocol."""
+        del pad_token_id, device
+        yield self.turn_drawer(actor, settings, eos_ids, seed), 0.0
+
+    def turn_drawer(self, actor, settings: SamplingSettings, eos_ids: list[int], seed: int) -> TurnDrawer:
+        """A TurnDraw on this rank's server, bound to the version it holds now (every turn's tokens must be of it)."""
+        self._wake()
+        return TurnDrawer(self, self.urls[actor.dp_rank % len(self.urls)], self.weight_version, settings,
+                          list(eos_ids), seed)
+
+    def submit_work(self, drawer: TurnDrawer, work: Callable[[], list]) -> Requests:
+        """Run `work()` (a rollout's whole multi-turn loop, drawing with `drawer`) in a background thread: its result
+        the one answer of the Requests returned at once. Counted in flight: a sync first lets it finish on its weights.
+        Not a collective."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="multi-turn-rollout")
+        future = pool.submit(work)
+        pool.shutdown(wait=False)
+        requests = Requests(url=drawer.url, version=drawer.version, futures=[future])
+        self._in_flight = [r for r in self._in_flight if not r.done()] + [requests]
+        return requests
+
+    @staticmethod
+    def checkpointed(requests: Requests) -> list:
+        """What a checkpoint keeps of answered requests (ppo.off_policy's rollouts in flight): what collect reads."""
+        return [[_slim(choice) for choice in answer] for answer in requests.answers()]
+
     def after_rollout(self) -> None:
         """Colocated: free the engine's memory for the update."""
         if self.settings.sleep and not self.asleep:
@@ -295,6 +329,49 @@ class VLLMEngine:
         if self.asleep:
             self._each_server("/wake_up")
             self.asleep = False
+
+
+@dataclass(frozen=True)
+class TurnDrawer:
+    """engines/__init__.py's TurnDraw on one server: each token list one request (n=1), all of a turn's at once."""
+    engine: VLLMEngine
+    url: str
+    version: str | None  # every token of every turn must come from it
+    settings: SamplingSettings
+    eos_ids: list[int]
+    seed: int  # the rollout's (the single-turn path's `seed`)
+
+    def __call__(self, rows: list[list[int]], budgets: list[int], indices: list[int],
+                 turn: int) -> list[tuple[list[int], list[float]]]:
+        seeds = [turn_seed(self.seed, index, turn) for index in indices]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(rows), 64))) as pool:
+            answers = list(pool.map(self._draw_one, rows, budgets, seeds))
+        choices = [answer[0] for answer in answers]
+        _check_versions(self.url, choices, self.version)
+        drawn = []
+        for choice, budget in zip(choices, budgets):
+            tokens, logps = _tokens_and_logps(choice)
+            drawn.append((tokens[:budget], logps[:budget].tolist()))
+        return drawn
+
+    def _draw_one(self, row: list[int], budget: int, seed: int) -> list[dict]:
+        settings = replace(self.settings, max_new_tokens=budget, n_samples_per_prompt=1)
+        return self.engine._request(self.url, row, settings, self.eos_ids, seed)
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """Trajectory `index`'s seed at `turn` (the single-turn path seeds prompt i with seed + i; one request per
+    trajectory and turn here, each its own stream)."""
+    return seed + index + 1_000_003 * turn
+
+
+def _slim(choice: dict) -> dict:
+    """What a checkpoint keeps of a server's choice: what collect lays out and checks."""
+    content = (choice.get("logprobs") or {}).get("content", [])
+    return {"index": choice.get("index"), "token_ids": choice["token_ids"],
+            "logprobs": {"content": [{"logprob": entry["logprob"]} for entry in content]},
+            "finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason"),
+            "weight_versions": choice.get("weight_versions")}
 
 
 def _check_versions(url: str, choices: list[dict], expected: str | None) -> None:

@@ -1,7 +1,8 @@
 """Multi-turn RL with tools and environments, as TRL 1.16's GRPOTrainer takes them (`tools`, `environment_factory`):
 loading.py (the user's functions and factories, the environment pool, get_reward as a reward source), executor.py
 (running calls: TRL's error conventions plus a timeout), parsing.py (the chat template's side), multiturn.py (the
-loop on the hf engine, token-exact trajectories with the model's-own-token mask)."""
+loop on the hf or the vLLM engine, token-exact trajectories with the model's-own-token mask; with vLLM also requested
+ahead, ppo.off_policy)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,6 @@ def tool_problems(p: Any) -> list[str]:
                         f"{p.rollout.max_new_tokens}] (or null)")
     if not uses_tools(p):
         return problems
-    if p.rollout.engine != "hf":
-        problems.append(f"ppo.tools / ppo.environment run multi-turn rollouts on the hf engine only for now: "
-                        f"ppo.rollout.engine={p.rollout.engine} samples each response in one request, with no turn "
-                        "for tool results; set ppo.rollout.engine=hf")
     if needs_critic.get(p.advantage, False):
         problems.append(f"ppo.advantage={p.advantage} bootstraps each token's value from the next token's, which "
                         "in a tool-calling trajectory is a tool result's (not the model's next action): use a "
@@ -86,5 +83,7 @@ def attach(stage, cfg, tokenizer) -> None:
                             max_tokens_per_turn=p.max_tokens_per_turn)
     stage.rollout_engine = MultiTurnEngine(stage.rollout_engine, tokenizer, load_tools(list(p.tools)), environments,
                                            settings)
+    if stage.off_policy is not None:  # rollouts requested ahead: the whole multi-turn loop of each in flight
+        stage.off_policy.engine = stage.rollout_engine
     if environments is not None:
         stage.reward_functions = list(stage.reward_functions) + environments.reward_functions()

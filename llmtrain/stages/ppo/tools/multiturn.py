@@ -1,6 +1,8 @@
-"""The multi-turn rollout on the hf engine: generate, parse the turn's tool calls, run them, append the template's
-rendering of the results, generate again, until a turn calls no tool or ppo.max_tool_calling_iterations (TRL's
-_tool_call_loop, on our lean sampler).
+"""The multi-turn rollout, on the hf engine or through vLLM: draw a turn, parse its tool calls, run them, append the
+template's rendering of the results, draw again, until a turn calls no tool or ppo.max_tool_calling_iterations (TRL's
+_tool_call_loop). One loop for every engine: the engine only draws a turn's tokens for a list of token lists (its
+`turns` context, engines/__init__.py's TurnDraw: the lean sampler on the actor, or one request per trajectory to the
+vLLM server with every token's weight version checked).
 
 Token-exact: a trajectory is one token list grown by appending each turn's drawn tokens and each tool result's
 suffix tokens; the history is never re-tokenised, so the tokens the update scores are the tokens drawn. Its layout is
@@ -11,17 +13,23 @@ model's own tokens, so the policy loss, the KL, the values and the advantages ne
 Budgets: ppo.rollout.max_new_tokens bounds the whole completion (model and tool tokens, TRL's max_completion_length);
 ppo.max_tokens_per_turn bounds one turn. A tool result that would leave no room for the next turn is dropped and the
 trajectory ends (TRL's rule); every such end is counted.
+
+Requested ahead (ppo.off_policy, vLLM): `submit` runs the whole loop in a background thread (with its own copy of the
+tokenizer: the main thread's may be reconfigured meanwhile) and answers each finished trajectory as a JSON record
+(what a checkpoint saves for a bitwise resume); `collect` lays the records out and counts the metrics (collectives).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import copy
+from dataclasses import dataclass, field
 
 import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.distributed import all_reduce_max, all_reduce_sum
 from llmtrain.stages.ppo import rollout as single_turn
+from llmtrain.stages.ppo.engines import TurnDraw, left_padded
 from llmtrain.stages.ppo.tools.executor import ToolStats, run_tool_calls
 from llmtrain.stages.ppo.tools.loading import ENVIRONMENT_COLUMN, ENVIRONMENTS_KEYWORD, Environments, tool_methods
 from llmtrain.stages.ppo.tools.parsing import parsed_turn, prompt_ids, tool_suffix_ids, with_response_parser
@@ -52,14 +60,31 @@ class Trajectory:
 
 
 OUTCOMES = ("truncated", "iterations", "result_overlong")
+RECORDED = ("messages", "prompt", "completion", "own", "logps", "iterations", "text", "ended", "outcome", "malformed")
+
+
+def record(t: Trajectory) -> dict:
+    """A finished trajectory as JSON (its tools are the run's, not saved)."""
+    return {**{name: getattr(t, name) for name in RECORDED}, "stats": vars(t.stats).copy()}
+
+
+def from_record(saved: dict) -> Trajectory:
+    return Trajectory(**{name: saved[name] for name in RECORDED}, tools=[], done=True,
+                      stats=ToolStats(**saved["stats"]))
 
 
 class MultiTurnEngine:
-    """The hf engine's protocol (engines/__init__.py), with tools: start/sync/close are the inner engine's."""
+    """The inner engine's protocol (engines/__init__.py), with tools: start/sync/close are the inner engine's; with a
+    vLLM inner engine also submit/collect (ppo.off_policy)."""
 
     def __init__(self, inner, tokenizer, tools: list, environments: Environments | None, settings: ToolSettings):
         self.inner, self.tokenizer = inner, with_response_parser(tokenizer)
         self.tools, self.environments, self.settings = list(tools), environments, settings
+        self._background: MultiTurnEngine | None = None  # this engine with its own tokenizer, for `submit`
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.inner.weight_version
 
     def start(self, actor) -> None:
         self.inner.start(actor)
@@ -75,16 +100,55 @@ class MultiTurnEngine:
 
     def generate(self, actor, batch, settings, *, pad_token_id: int, eos_ids: list[int], seed: int,
                  group=None) -> single_turn.Rollout:
-        n = settings.n_samples_per_prompt
-        prompts = [p for p in batch.prompts for _ in range(n)]
-        columns = {k: [v for v in values for _ in range(n)] for k, values in batch.columns.items()}
+        prompts, columns = repeated(batch, settings.n_samples_per_prompt)
         trajectories, instances = self._start(prompts, columns)
-        with single_turn.sampling_model(actor, seed, batch.input_ids.device) as (model, gather_s):
-            while not all(t.done for t in trajectories):
-                self._turn(model, [t for t in trajectories if not t.done], settings, pad_token_id, eos_ids,
-                           batch.input_ids.device)
+        with self.inner.turns(actor, settings, pad_token_id=pad_token_id, eos_ids=eos_ids, seed=seed,
+                              device=batch.input_ids.device) as (draw, gather_s):
+            self._run(trajectories, draw, settings.max_new_tokens, eos_ids)
         if instances is not None:
             columns[ENVIRONMENTS_KEYWORD] = instances
+        return self._rollout(trajectories, prompts, columns, batch, settings.n_samples_per_prompt, pad_token_id,
+                             group, gather_s)
+
+    def submit(self, actor, batch, settings, eos_ids: list[int], seed: int):
+        """ppo.off_policy: the rollout's whole loop (server requests, tool calls) in the background; returns the
+        inner engine's Requests at once, answered by the trajectories' records. Not a collective."""
+        if self.environments is not None:  # validation refuses it (async_rollout.off_policy_problems)
+            raise ConfigError("ppo.environment cannot be requested ahead (ppo.off_policy.max_staleness > 0)")
+        prompts, columns = repeated(batch, settings.n_samples_per_prompt)
+        draw = self.inner.turn_drawer(actor, settings, eos_ids, seed)
+        if self._background is None:
+            self._background = copy.copy(self)
+            self._background.tokenizer = copy.deepcopy(self.tokenizer)
+        background = self._background
+
+        def work() -> list[dict]:
+            trajectories, _ = background._start(prompts, columns)
+            background._run(trajectories, draw, settings.max_new_tokens, eos_ids)
+            return [record(t) for t in trajectories]
+
+        return self.inner.submit_work(draw, work)
+
+    def collect(self, actor, batch, requests, settings, *, pad_token_id: int, eos_ids: list[int],
+                group=None) -> single_turn.Rollout:
+        """The rollout of `requests` (sent by `submit` for `batch`, or restored from a checkpoint): a collective."""
+        del actor, eos_ids
+        prompts, columns = repeated(batch, settings.n_samples_per_prompt)
+        records = requests.answers()[0]
+        if len(records) != len(prompts):
+            raise RuntimeError(f"multi-turn rollout in flight: {len(records)} trajectories answered for "
+                               f"{len(prompts)} rows of its prompt batch (a resume on other data?)")
+        trajectories = [from_record(saved) for saved in records]
+        return self._rollout(trajectories, prompts, columns, batch, settings.n_samples_per_prompt, pad_token_id,
+                             group, 0.0)
+
+    @staticmethod
+    def checkpointed(requests) -> list:
+        return requests.answers()  # the trajectories' records, JSON already
+
+    @staticmethod
+    def _rollout(trajectories: list[Trajectory], prompts: list, columns: dict, batch, n: int, pad_token_id: int,
+                 group, gather_s: float) -> single_turn.Rollout:
         out = laid_out(trajectories, pad_token_id, batch.input_ids.device, group)
         out.prompts = [t.messages[:len(p)] for t, p in zip(trajectories, prompts)]  # with reset's text, as TRL's
         out.columns, out.real, out.gather_s = columns, batch.real.repeat_interleave(n, 0), gather_s
@@ -113,25 +177,18 @@ class MultiTurnEngine:
             trajectories.append(Trajectory(messages, prompt_ids(self.tokenizer, messages, tools), tools))
         return trajectories, instances
 
-    def _turn(self, model, active: list[Trajectory], settings, pad_token_id: int, eos_ids: list[int],
-              device) -> None:
-        """One model turn for every active trajectory, then its tool calls."""
-        total = settings.max_new_tokens
-        budgets = [total - len(t.completion) for t in active]
-        if self.settings.max_tokens_per_turn:
-            budgets = [min(b, self.settings.max_tokens_per_turn) for b in budgets]
-        draw = single_turn.drawer(model, replace(settings, max_new_tokens=max(budgets)), pad_token_id, eos_ids)
-        size = settings.batch_size or len(active)
-        stop = torch.tensor(eos_ids)
-        for lo in range(0, len(active), size):
-            chunk = active[lo:lo + size]
-            ids, mask = left_padded([t.prompt + t.completion for t in chunk], pad_token_id, device)
-            out, logps = draw(ids, mask)  # (b, width + a), (b, a)
-            drawn = out[:, ids.shape[1]:].cpu()
-            keep = single_turn.up_to_first_eos(drawn, stop)  # (b, a): through the first stop token
-            for t, row, row_keep, row_logps, budget in zip(chunk, drawn, keep, logps.float().cpu(), budgets[lo:]):
-                tokens = row[row_keep][:budget].tolist()
-                self._after_turn(t, tokens, row_logps[:len(tokens)].tolist(), eos_ids, total)
+    def _run(self, trajectories: list[Trajectory], draw: TurnDraw, total: int, eos_ids: list[int]) -> None:
+        """Turns until every trajectory is done: each draws every active trajectory's next turn, then runs its calls."""
+        turn = 0
+        while not all(t.done for t in trajectories):
+            active = [i for i, t in enumerate(trajectories) if not t.done]
+            budgets = [total - len(trajectories[i].completion) for i in active]
+            if self.settings.max_tokens_per_turn:
+                budgets = [min(b, self.settings.max_tokens_per_turn) for b in budgets]
+            rows = [trajectories[i].prompt + trajectories[i].completion for i in active]
+            for i, (tokens, logps) in zip(active, draw(rows, budgets, active, turn)):
+                self._after_turn(trajectories[i], tokens, logps, eos_ids, total)
+            turn += 1
 
     def _after_turn(self, t: Trajectory, tokens: list[int], logps: list[float], eos_ids: list[int],
                     total: int) -> None:
@@ -166,12 +223,10 @@ class MultiTurnEngine:
         t.done, t.outcome = True, outcome
 
 
-def left_padded(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (b, W) ids left-padded with pad, (b, W) mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
-    return ids, mask
+def repeated(batch, n: int) -> tuple[list, dict]:
+    """The batch's prompts and columns, each row n times (a prompt's samples consecutive: a GRPO group)."""
+    return ([p for p in batch.prompts for _ in range(n)],
+            {k: [v for v in values for _ in range(n)] for k, values in batch.columns.items()})
 
 
 def laid_out(trajectories: list[Trajectory], pad_token_id: int, device, group) -> single_turn.Rollout:
