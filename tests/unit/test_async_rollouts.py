@@ -16,7 +16,8 @@ from llmtrain.losses.ppo import policy_loss_terms
 from llmtrain.stages.ppo.async_rollout import AsyncRollouts, needs_sync, off_policy_problems, version_number
 from llmtrain.stages.ppo.checks import ppo_problems
 from llmtrain.stages.ppo.engines.http import EngineError
-from llmtrain.stages.ppo.engines.vllm import Requests, VLLMEngine, _check_versions
+from llmtrain.stages.ppo.engines.vllm import Requests, VLLMEngine
+from llmtrain.stages.ppo.engines.vllm_choices import check_versions
 
 
 class RecordingEngine:
@@ -102,12 +103,12 @@ def test_a_resume_on_another_number_of_ranks_is_refused():
 
 def test_the_engine_insists_on_the_version_a_request_was_sent_under():
     choices = [{"weight_versions": [{"version": "policy-1"}]}, {"weight_versions": [{"version": "policy-1"}]}]
-    _check_versions("http://e", choices, "policy-1")
+    check_versions("http://e", choices, "policy-1")
     with pytest.raises(EngineError, match="expected only 'policy-2'"):
-        _check_versions("http://e", choices, "policy-2")
+        check_versions("http://e", choices, "policy-2")
     choices[1]["weight_versions"].append({"version": "policy-2"})  # weights changed under a request
     with pytest.raises(EngineError, match=r"\['policy-1', 'policy-2'\]"):
-        _check_versions("http://e", choices, "policy-1")
+        check_versions("http://e", choices, "policy-1")
 
 
 def test_decoupled_ppo_loss_and_gradient_by_hand():

@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmtrain"
 FLOORS = (
     ("llmtrain.config", "llmtrain.paths", "llmtrain.data.errors", "llmtrain.faults", "llmtrain.distributed",
      "llmtrain.run_metadata", "llmtrain.optim.spec", "llmtrain.user_code"),
-    ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards", "llmtrain.optim",
-     "llmtrain.doctor", "llmtrain.checkpoint_async"),
+    ("llmtrain.losses", "llmtrain.data", "llmtrain.metrics", "llmtrain.models", "llmtrain.rewards", "llmtrain.tasks",
+     "llmtrain.optim", "llmtrain.doctor", "llmtrain.checkpoint_async"),
     ("llmtrain.backends", "llmtrain.stages", "llmtrain.roles", "llmtrain.trainer", "llmtrain.checkpoint",
      "llmtrain.parallel", "llmtrain.spikes"),
     ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan.rl", "llmtrain.plan.pp", "llmtrain.finished_run",

@@ -12,7 +12,7 @@ import torch
 from llmtrain.compose import compose_config
 from llmtrain.stages.ppo.build import importance_mode, old_logps_from_update
 from llmtrain.stages.ppo.checks import ppo_problems
-from llmtrain.stages.ppo.engines.vllm import _tokens_and_logps
+from llmtrain.stages.ppo.engines.vllm_choices import tokens_and_logps
 from llmtrain.stages.ppo.engines.vllm_server import ServerSettings, server_command
 from llmtrain.stages.ppo.rollout import up_to_first_eos
 from llmtrain.validation import stage_problems
@@ -75,11 +75,11 @@ def _choice(tokens, logps, finish="length", stop=None) -> dict:
 
 
 def test_a_choice_keeps_the_stop_token_it_ended_at():
-    tokens, logps = _tokens_and_logps(_choice([5, 6], [-0.5, -0.25]))
+    tokens, logps = tokens_and_logps(_choice([5, 6], [-0.5, -0.25]))
     assert tokens == [5, 6] and logps.tolist() == [-0.5, -0.25]
-    tokens, logps = _tokens_and_logps(_choice([5, 6], [-0.5, -0.25], "stop", 257))  # the engine left it out
+    tokens, logps = tokens_and_logps(_choice([5, 6], [-0.5, -0.25], "stop", 257))  # the engine left it out
     assert tokens == [5, 6, 257] and logps.tolist() == [-0.5, -0.25, 0.0]
-    tokens, _ = _tokens_and_logps(_choice([5, 257], [-0.5, -0.1], "stop", 257))  # already in
+    tokens, _ = tokens_and_logps(_choice([5, 257], [-0.5, -0.1], "stop", 257))  # already in
     assert tokens == [5, 257]
 
 

@@ -29,6 +29,10 @@ class RewardServerError(RuntimeError):
     """The reward server did not answer one finite number per response; the message names its URL."""
 
 
+class _Retryable(Exception):
+    """A failed try that the next may not repeat: a 5xx answer, a refused or timed-out connection."""
+
+
 @dataclass(frozen=True)
 class RemoteReward:
     url: str
@@ -50,29 +54,35 @@ class RemoteReward:
         return scores
 
     def _post(self, body: dict) -> dict:
+        """One request, retried on a 5xx answer or a failed connection (each try bounded by url_timeout_s, with a
+        back-off between tries); the last failure, or any other, stops the run naming the URL."""
         data = json.dumps(body, default=str).encode()  # a column of dates or arrays: as text
         for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=data, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            if attempt:
+                time.sleep(0.5 * 2 ** (attempt - 1))
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                    return json.loads(answer.read() or b"{}")
-            except urllib.error.HTTPError as error:
-                detail = error.read().decode(errors="replace")[:300]
-                if error.code < 500 or attempt == self.retries:
-                    raise RewardServerError(f"reward server {self.url} (ppo.reward.url) answered HTTP {error.code}: "
-                                            f"{detail}") from error
-            except (urllib.error.URLError, OSError) as error:  # refused, unreachable, timed out, reset
-                if attempt == self.retries:
-                    raise RewardServerError(
-                        f"reward server {self.url} (ppo.reward.url) failed {self.retries + 1} times "
-                        f"({getattr(error, 'reason', error)}), each try bounded by ppo.reward.url_timeout_s="
-                        f"{self.timeout_s}: is it running and reachable from every rank?") from error
-            except json.JSONDecodeError as error:
-                raise RewardServerError(f"reward server {self.url} (ppo.reward.url) answered something that is not "
-                                        f"JSON: {error}") from error
-            time.sleep(0.5 * 2 ** attempt)
-        raise AssertionError("unreachable")
+                return self._post_once(data)
+            except _Retryable as error:
+                failure = error
+        raise RewardServerError(str(failure)) from failure.__cause__
+
+    def _post_once(self, data: bytes) -> dict:
+        request = urllib.request.Request(self.url, data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                return json.loads(answer.read() or b"{}")
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:300]
+            message = f"reward server {self.url} (ppo.reward.url) answered HTTP {error.code}: {detail}"
+            raise (_Retryable if error.code >= 500 else RewardServerError)(message) from error
+        except (urllib.error.URLError, OSError) as error:  # refused, unreachable, timed out, reset
+            raise _Retryable(f"reward server {self.url} (ppo.reward.url) failed {self.retries + 1} times "
+                             f"({getattr(error, 'reason', error)}), each try bounded by ppo.reward.url_timeout_s="
+                             f"{self.timeout_s}: is it running and reachable from every rank?") from error
+        except json.JSONDecodeError as error:
+            raise RewardServerError(f"reward server {self.url} (ppo.reward.url) answered something that is not "
+                                    f"JSON: {error}") from error
 
     def _checked(self, answer: dict, count: int) -> list[float]:
         key = "rewards" if "rewards" in answer else "scores"

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from llmtrain.data.prompts import PromptBatch
 from llmtrain.distributed import barrier
 from llmtrain.stages.ppo.engines.http import EngineError, call
+from llmtrain.stages.ppo.engines.vllm_choices import check_versions, slim, tokens_and_logps
 from llmtrain.stages.ppo.engines.vllm_server import ServerSettings, VLLMServer
 from llmtrain.stages.ppo.rollout import Rollout, SamplingSettings, laid_out, padded_prompts
 
@@ -241,7 +242,7 @@ class VLLMEngine:
     def generate(self, actor, batch: PromptBatch, settings: SamplingSettings, *, pad_token_id: int,
                  eos_ids: list[int], seed: int, group=None) -> Rollout:
         """The rollout of this rank's prompts, sampled by its server: the hf engine's layout, with the engine's
-        log-probs; every token must come from the version synced last (`_check_versions`)."""
+        log-probs; every token must come from the version synced last (`check_versions`)."""
         return self.collect(actor, batch, self.submit(actor, batch, settings, eos_ids, seed), settings,
                             pad_token_id=pad_token_id, eos_ids=eos_ids, group=group)
 
@@ -268,13 +269,13 @@ class VLLMEngine:
         if len(choices) != len(requests.futures) * n:
             raise EngineError(f"inference engine {url} returned {len(choices)} samples for {len(requests.futures)} "
                               f"prompts × n={n}")
-        _check_versions(url, choices, requests.version)
+        check_versions(url, choices, requests.version)
         ids, mask = padded_prompts(batch, n, pad_token_id, group)
         width = max([len(c["token_ids"]) for c in choices] + [1])
         responses = torch.full((len(choices), width), pad_token_id, dtype=torch.long)
         logps = torch.zeros((len(choices), width))
         for i, choice in enumerate(choices):
-            tokens, values = _tokens_and_logps(choice)
+            tokens, values = tokens_and_logps(choice)
             responses[i, :len(tokens)], logps[i, :len(values)] = torch.tensor(tokens, dtype=torch.long), values
         device = ids.device
         # nothing to gather (gather_s 0): the requests' time is the rollout's, which the stage times
@@ -317,7 +318,7 @@ class VLLMEngine:
     @staticmethod
     def checkpointed(requests: Requests) -> list:
         """What a checkpoint keeps of answered requests (ppo.off_policy's rollouts in flight): what collect reads."""
-        return [[_slim(choice) for choice in answer] for answer in requests.answers()]
+        return [[slim(choice) for choice in answer] for answer in requests.answers()]
 
     def after_rollout(self) -> None:
         """Colocated: free the engine's memory for the update."""
@@ -347,10 +348,10 @@ class TurnDrawer:
         with ThreadPoolExecutor(max_workers=max(1, min(len(rows), 64))) as pool:
             answers = list(pool.map(self._draw_one, rows, budgets, seeds))
         choices = [answer[0] for answer in answers]
-        _check_versions(self.url, choices, self.version)
+        check_versions(self.url, choices, self.version)
         drawn = []
         for choice, budget in zip(choices, budgets):
-            tokens, logps = _tokens_and_logps(choice)
+            tokens, logps = tokens_and_logps(choice)
             drawn.append((tokens[:budget], logps[:budget].tolist()))
         return drawn
 
@@ -363,34 +364,6 @@ def turn_seed(seed: int, index: int, turn: int) -> int:
     """Trajectory `index`'s seed at `turn` (the single-turn path seeds prompt i with seed + i; one request per
     trajectory and turn here, each its own stream)."""
     return seed + index + 1_000_003 * turn
-
-
-def _slim(choice: dict) -> dict:
-    """What a checkpoint keeps of a server's choice: what collect lays out and checks."""
-    content = (choice.get("logprobs") or {}).get("content", [])
-    return {"index": choice.get("index"), "token_ids": choice["token_ids"],
-            "logprobs": {"content": [{"logprob": entry["logprob"]} for entry in content]},
-            "finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason"),
-            "weight_versions": choice.get("weight_versions")}
-
-
-def _check_versions(url: str, choices: list[dict], expected: str | None) -> None:
-    seen = {part["version"] for choice in choices for part in choice.get("weight_versions") or []}
-    if seen != {expected}:
-        raise EngineError(f"inference engine {url} sampled with weight versions {sorted(seen)}, expected only "
-                          f"{expected!r} (the version the requests were sent under): a rollout on other weights")
-
-
-def _tokens_and_logps(choice: dict) -> tuple[list[int], torch.Tensor]:
-    """A choice's tokens and each one's sampled log-prob; the stop token it ended at appended when the engine left
-    it out (the action mask keeps the stop token: the reward model scores there)."""
-    tokens = list(choice["token_ids"])
-    values = [entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content", [])]
-    stop = choice.get("stop_reason")
-    if choice.get("finish_reason") == "stop" and isinstance(stop, int) and (not tokens or tokens[-1] != stop):
-        tokens.append(stop)
-        values.append(0.0)  # not reported: the mismatch metrics then see its full trainer log-prob
-    return tokens, torch.tensor(values[:len(tokens)], dtype=torch.float32)
 
 
 def _remove(folder: Path) -> None:
