@@ -18,17 +18,24 @@ from tests.helpers import REPO, save_tiny_model, vllm_environment  # noqa: E402 
 os.environ.setdefault("LLMTRAIN_CACHE", str(REPO / ".cache"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the group marks into node ids
-def pytest_collection_modifyitems(config, items):
-    """Every test that launches processes (outside tests/unit) joins one xdist group: under the README's `-n 2
-    --dist loadgroup` they run in order on one worker (they use both cores and their timings and fixtures assume
-    the order), while the other worker runs the in-process unit tests beside them.
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the dev extra): without it, nothing to schedule
+def pytest_xdist_make_scheduler(config, log):
+    """The README's `-n 2`: every test that launches processes (outside tests/unit) is one work unit, run in order
+    on one worker (they use both cores; their module fixtures, timings and the vLLM session assume the order), and
+    the in-process unit tests, one by one, fill the other core beside them. (Not xdist's `--dist loadgroup`: with
+    pytest 9 it does not group, pytest-xdist 3.8 renames a node id attribute pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
 
-    The unit tests that resolve a trained base (marked uses_base) run after the other unit tests: CI builds the
+    class LaunchesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if Path(nodeid.split("::")[0]).parent.name == "unit" else "launches"
+
+    return LaunchesOnOneWorker(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The unit tests that resolve a trained base (marked uses_base) run after the other unit tests: CI builds the
     bases in the background while the unit tests run (.ci/run), so by then they wait for nothing."""
-    for item in items:
-        if Path(item.fspath).parent.name != "unit":
-            item.add_marker(pytest.mark.xdist_group("launches"))
     unit = [i for i, item in enumerate(items) if Path(item.fspath).parent.name == "unit"]
     if not unit:
         return
