@@ -115,8 +115,10 @@ def neutral_generation_config(model: torch.nn.Module):
             module.generation_config = config
 
 
-def _repeat(values: list, n: int) -> list:
-    return [value for value in values for _ in range(n)]
+def repeated_rows(batch: PromptBatch, n: int) -> tuple[list, dict]:
+    """The batch's prompts and columns, each row n times (a prompt's samples consecutive: a GRPO group)."""
+    return ([p for p in batch.prompts for _ in range(n)],
+            {k: [v for v in values for _ in range(n)] for k, values in batch.columns.items()})
 
 
 def left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,9 +199,9 @@ def laid_out(ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor, log
     responses = F.pad(responses.masked_fill(~action_mask, pad_token_id), (0, extra_columns), value=pad_token_id)
     logps = F.pad(logps.float().masked_fill(~action_mask, 0.0), (0, extra_columns))
     action_mask = F.pad(action_mask, (0, extra_columns), value=False)
+    prompts, columns = repeated_rows(batch, n)
     return Rollout(sequences=torch.cat([ids, responses], 1), attention_mask=torch.cat([mask, action_mask.long()], 1),
-                   action_mask=action_mask, ended=ended, prompts=_repeat(batch.prompts, n),
-                   columns={k: _repeat(v, n) for k, v in batch.columns.items()},
+                   action_mask=action_mask, ended=ended, prompts=prompts, columns=columns,
                    real=batch.real.repeat_interleave(n, 0), engine_logps=logps, gather_s=gather_s)
 
 

@@ -100,7 +100,7 @@ class MultiTurnEngine:
 
     def generate(self, actor, batch, settings, *, pad_token_id: int, eos_ids: list[int], seed: int,
                  group=None) -> single_turn.Rollout:
-        prompts, columns = repeated(batch, settings.n_samples_per_prompt)
+        prompts, columns = single_turn.repeated_rows(batch, settings.n_samples_per_prompt)
         trajectories, instances = self._start(prompts, columns)
         with self.inner.turns(actor, settings, pad_token_id=pad_token_id, eos_ids=eos_ids, seed=seed,
                               device=batch.input_ids.device) as (draw, gather_s):
@@ -115,7 +115,7 @@ class MultiTurnEngine:
         inner engine's Requests at once, answered by the trajectories' records. Not a collective."""
         if self.environments is not None:  # validation refuses it (async_rollout.off_policy_problems)
             raise ConfigError("ppo.environment cannot be requested ahead (ppo.off_policy.max_staleness > 0)")
-        prompts, columns = repeated(batch, settings.n_samples_per_prompt)
+        prompts, columns = single_turn.repeated_rows(batch, settings.n_samples_per_prompt)
         draw = self.inner.turn_drawer(actor, settings, eos_ids, seed)
         if self._background is None:
             self._background = copy.copy(self)
@@ -133,7 +133,7 @@ class MultiTurnEngine:
                 group=None) -> single_turn.Rollout:
         """The rollout of `requests` (sent by `submit` for `batch`, or restored from a checkpoint): a collective."""
         del actor, eos_ids
-        prompts, columns = repeated(batch, settings.n_samples_per_prompt)
+        prompts, columns = single_turn.repeated_rows(batch, settings.n_samples_per_prompt)
         records = requests.answers()[0]
         if len(records) != len(prompts):
             raise RuntimeError(f"multi-turn rollout in flight: {len(records)} trajectories answered for "
@@ -221,12 +221,6 @@ class MultiTurnEngine:
     @staticmethod
     def _finish(t: Trajectory, outcome: str) -> None:
         t.done, t.outcome = True, outcome
-
-
-def repeated(batch, n: int) -> tuple[list, dict]:
-    """The batch's prompts and columns, each row n times (a prompt's samples consecutive: a GRPO group)."""
-    return ([p for p in batch.prompts for _ in range(n)],
-            {k: [v for v in values for _ in range(n)] for k, values in batch.columns.items()})
 
 
 def laid_out(trajectories: list[Trajectory], pad_token_id: int, device, group) -> single_turn.Rollout:
