@@ -49,7 +49,8 @@ from llmtrain.models.ulysses import ulysses_attention
 from llmtrain.optim.spec import muon_spec
 from llmtrain.parallel import degree_of
 from llmtrain.parallel.cp import cp_implementation
-from llmtrain.plan.core import RunPlan, check_backend_against_model
+from llmtrain.plan.core import check_backend_against_model
+from llmtrain.plan.figures import RunPlan
 from llmtrain.plan.fit import run_fit_problems
 from llmtrain.plan.report import plan_run
 from llmtrain.roles import ModelOptions, build_engines

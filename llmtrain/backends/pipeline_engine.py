@@ -41,10 +41,10 @@ from llmtrain.backends.fsdp2 import (
     FSDP2Backend,
     FSDP2Engine,
     clip_to_norm,
-    ranks_on_meta,
     split_groups_by_mesh,
     total_grad_norm,
 )
+from llmtrain.backends.fsdp2_parallelize import ranks_on_meta
 from llmtrain.backends.pipeline import (
     SCHEDULES,
     RankModel,
@@ -92,7 +92,7 @@ def _renamed(state: dict, old: str, new: str) -> dict:
 
 
 def to_meta(module: torch.nn.Module) -> None:
-    """The module's tensors to the meta device, in place (fsdp2.set_aside_and_empty's way)."""
+    """The module's tensors to the meta device, in place (fsdp2_parallelize.set_aside_and_empty's way)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -104,7 +104,8 @@ def to_meta(module: torch.nn.Module) -> None:
 def load_stages_from_rank0(model: RankModel, parts: list, rank0_weights: tuple[dict, dict] | None,
                            device: torch.device) -> None:
     """After parallelize: allocate this rank's shards and fill them from rank 0's whole model (None elsewhere), one
-    tensor broadcast at a time; each rank keeps the tensors of its own stages (fsdp2.load_from_rank0, per stage)."""
+    tensor broadcast at a time; each rank keeps the tensors of its own stages (fsdp2_parallelize.load_from_rank0, per
+    stage)."""
     state, buffers = rank0_weights or ({}, {})
     for part in parts:
         part.to_empty(device=device)
@@ -170,7 +171,7 @@ class PipelineEngine(FSDP2Engine):
         parts = build_parts(model, self.pp_rank, dims.pp, virtual_stages, seq_len, self.inputs,
                             log_split=ctx.is_main, v_shape=SCHEDULES[schedule].v_shape)
         del model  # the caller's reference goes with build_engines' frame: only this rank's copies stay
-        for part in parts:  # the fixed order: tp, then fsdp (backends/fsdp2.py says why), per stage
+        for part in parts:  # the fixed order: tp, then fsdp (backends/fsdp2_parallelize.py says why), per stage
             to_meta(part) if on_meta else part.to(ctx.device)  # every rank parallelizes the same empty stages
             if dims.tp > 1:
                 apply_tp_plan(part.model, dims.mesh("tp"), part.model.config)

@@ -46,7 +46,7 @@ class Dimension:
     # -> [metrics.cost.Collective] this dimension adds to one optimizer step (the planner, and through it the live
     # cost's planned bytes); None: counted elsewhere (dp: the backend's collectives; tp: metrics/cost.communication)
     collectives: Callable[..., list] | None = None
-    # (plan.core.Setting, plan.core.Row) -> the planner's line on this dimension for a row whose layout has it > 1
+    # (plan.setting.Setting, plan.core.Row) -> the planner's line on this dimension for a row whose layout has it > 1
     plan_line: Callable[[Any, Any], str] | None = None
 
 

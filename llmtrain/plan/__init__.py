@@ -1,8 +1,9 @@
 """The planner: what a run costs per rank, before it runs (`python -m llmtrain.plan`, `dry_run=true`).
 
-core.py computes a row's figures (weights, gradients, optimizer state, activations, communication, time), pp.py the
-pipeline's per-rank figures, rl.py an RL iteration and its inference engine, fit.py whether a run fits before it
-loads, report.py lays them out. docs/formulas.md, "The planner", has every formula.
+setting.py reads the config and the model's facts into a Setting, core.py computes a row's figures from it (weights,
+gradients, optimizer state, activations, communication, time), figures.py what the live cost compares a run with,
+pp.py the pipeline's per-rank figures, rl.py an RL iteration and its inference engine, fit.py whether a run fits
+before it loads, report.py lays them out. docs/formulas.md, "The planner", has every formula.
 """
 
 

@@ -1,19 +1,17 @@
 """The planner's figures: per role and backend, the bytes each rank holds (weights, gradients, optimizer state,
 gathered copies, activations, logits), the largest micro-batch and the longest sequence that fit, communication,
-FLOPs and step time, from a `Setting` (the resolved config and the model's facts on the meta device). plan.py prints
-them; the live cost (metrics/live.py) compares the run with `plan_figures`. docs/formulas.md, "The planner", has every
-formula."""
+FLOPs and step time, from a `Setting` (setting.py: the resolved config and the model's facts on the meta device).
+report.py prints them; the live cost (metrics/live.py) compares the run with figures.py's `plan_figures`.
+docs/formulas.md, "The planner", has every formula."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
 from omegaconf import DictConfig
 
 from llmtrain.backends import compared_presets, spec_of
 from llmtrain.config import ConfigError
-from llmtrain.metrics.comm import planned
 from llmtrain.metrics.cost import (
     GIB,
     Collective,
@@ -27,22 +25,12 @@ from llmtrain.metrics.cost import (
     state_bytes,
     step_seconds,
 )
-from llmtrain.metrics.devices import Gpu
 from llmtrain.metrics.flops import training_flops_per_token
-from llmtrain.metrics.live import PipelineRankFigures, PlanFigures
 from llmtrain.metrics.memory import planned_model_state_bytes
-from llmtrain.models.facts import ModelFacts, lora_trainable
-from llmtrain.models.fused_head import default_chunk_tokens, head_is_fused
-from llmtrain.optim.spec import state_floats_per_param
+from llmtrain.models.facts import ModelFacts
 from llmtrain.parallel.dimension import dimension_collectives
-from llmtrain.plan.pp import (
-    StageActivations,
-    in_flight_stages,
-    rank_state_bytes,
-    stage_head,
-)
-from llmtrain.plan.rl import RLIteration, rl_communication, rl_flops
-from llmtrain.stages.registry import stage_roles, stage_spec
+from llmtrain.plan.rl import rl_communication, rl_flops
+from llmtrain.plan.setting import Setting
 
 COMPARED = compared_presets()  # plan.compare_backends: each backend descriptor's rows
 USABLE = 0.92  # of device memory: the CUDA context, NCCL and DeepSpeed buckets, fragmentation take the rest
@@ -95,39 +83,6 @@ def preset_backends() -> dict:
     register_schema()
     with initialize_config_dir(str(conf_dir()), version_base=None):
         return {name: compose("config", overrides=[f"backend={name}"]).backend for name in COMPARED}
-
-
-@dataclass
-class Setting:
-    """Everything a row needs besides the layout."""
-    facts: ModelFacts
-    roles: dict[str, bool]  # role -> trainable
-    lora: int
-    views: frozenset[str]  # frozen roles that are a trainable role's model with adapters off (no weights of their own)
-    precision: str
-    gpu: Gpu
-    world: int
-    micro: int
-    accum: int
-    seq: int
-    rows_per_sample: int  # 2 for pair stages (chosen and rejected in one forward)
-    checkpointing: bool
-    scores: bool  # the resolved attention is eager: it stores the (b, a, s, s) scores (planned_attention)
-    mfu: float
-    logits_vocab: int  # V, or 1 for a reward model's score
-    head_chunk: int | None = None  # the fused LM head's chunk tokens (model.fused_loss); None: full logits
-    optim_floats: float = 2.0  # fp32 optimizer-state values per trainable parameter (optim/spec.py: Adam 2, Muon 1)
-    muon_share: float = 0.0  # share of the trainable parameters optim=muon updates (0: AdamW, or LoRA's adapters)
-    head_loss_sum: bool = False  # the fused head's summed loss (pretrain/SFT, RL's token loss): gradients held
-    head_positions: int | None = None  # positions per row through the LM head (RL: the A + 1 response ones); None: all
-    rl: RLIteration | None = None  # PPO/GRPO: a step is an iteration of several optimizer steps per role
-    scalar_heads: frozenset[str] = frozenset()  # roles whose model ends in a scalar head (hidden -> 1), not the LM head
-    concat_outputs: bool = False  # packed rows through per-sample attention (sdpa_segments, the ring): + h/t a token
-
-    @property
-    def fused_head(self) -> bool:
-        """The trained head is an LM head computed in chunks (model.fused_loss), not full logits or a score."""
-        return self.head_chunk is not None and self.logits_vocab != 1
 
 
 @dataclass
@@ -258,58 +213,6 @@ def step_flops(st: Setting, layout: Layout) -> tuple[float, float]:
     return model, model + (recompute if st.checkpointing else 0.0)
 
 
-def planned_attention(cfg: DictConfig, gpu: Gpu, precision: str, facts: ModelFacts) -> str:
-    """The attention the run resolves (stages/registry.decide_attention, as run.py does): an explicit one as given,
-    `auto`'s pick for the planned device, then the same decision (sp, the family: eager where its transformers class
-    lacks it, Gemma-2 has no sdpa; the stage's own need). A GPU planned
-    from a machine without one is taken to have Triton (CUDA builds of torch ship it): flex_segments, or sdpa_segments
-    with dropout; flash-attention and flex both exist in the families that lack sdpa, so either gives the same count."""
-    from llmtrain.models.attention import SEGMENT_ATTENTION
-    from llmtrain.models.flex import FLEX_ATTENTION
-    from llmtrain.models.load import resolve_attn_implementation
-    from llmtrain.stages.registry import decide_attention
-
-    m = cfg.model
-    if m.attn_implementation != "auto":
-        attn = m.attn_implementation
-    elif gpu.name == "cpu" or torch.cuda.is_available():
-        attn = resolve_attn_implementation("auto", torch.device("cpu" if gpu.name == "cpu" else "cuda"), precision,
-                                           m.dropout)
-    else:
-        attn = FLEX_ATTENTION if m.dropout == 0 else SEGMENT_ATTENTION
-    return decide_attention(cfg, attn, lambda a: "eager" if a in facts.lacks_attention else a)
-
-
-def setting(cfg: DictConfig, world: int, gpu: Gpu, precision: str, facts: ModelFacts) -> Setting:
-    from llmtrain.models.attention import SEGMENT_ATTENTION
-
-    attn = planned_attention(cfg, gpu, precision, facts)
-    lora = lora_trainable(cfg)
-    spec, roles = stage_spec(cfg.stage.name), stage_roles(cfg)
-    views = frozenset(role for role, r in roles.items() if lora and r.adapter_off_of)
-    scalar_heads = frozenset(role for role, r in roles.items() if r.head == "scalar")
-    trainable_scalar = all(r.head == "scalar" for r in roles.values() if r.trainable)
-    rl = spec.rl_shape(cfg) if spec.rl_shape else None
-    muon_share = facts.muon_params / facts.params if cfg.optim.name == "muon" and not lora else 0.0
-    return Setting(facts=facts, roles={role: r.trainable for role, r in roles.items()}, scalar_heads=scalar_heads,
-                   lora=lora, views=views, precision=precision, gpu=gpu, world=world,
-                   micro=cfg.trainer.micro_batch_size, accum=cfg.trainer.grad_accum_steps, seq=cfg.data.max_seq_len,
-                   rows_per_sample=spec.sequences_per_sample, checkpointing=cfg.model.activation_checkpointing,
-                   scores=attn == "eager", mfu=cfg.plan.mfu, logits_vocab=1 if trainable_scalar else facts.vocab,
-                   rl=RLIteration.from_config(cfg), head_chunk=planned_head_chunk(cfg.model, facts),
-                   head_loss_sum=spec.token_losses or bool(rl and rl.token_loss),
-                   head_positions=rl.max_new_tokens + 1 if rl else None,
-                   optim_floats=state_floats_per_param(cfg.optim.name, muon_share), muon_share=muon_share,
-                   concat_outputs=attn == SEGMENT_ATTENTION and bool(cfg.data.packing))
-
-
-def planned_head_chunk(m, facts: ModelFacts) -> int | None:
-    """model.fused_loss / loss_chunk_tokens -> the fused head's chunk tokens; None: full logits."""
-    if not head_is_fused(m.fused_loss, facts.vocab, facts.hidden):
-        return None
-    return m.loss_chunk_tokens or default_chunk_tokens(facts.vocab, facts.hidden)
-
-
 def plan_rows(st: Setting, layouts: list[Layout]) -> list[Row]:
     return [plan_row(st, layout) for layout in layouts]
 
@@ -339,10 +242,6 @@ def compared_layouts(cfg: DictConfig, world: int, facts: ModelFacts,
     return layouts, notes
 
 
-def plan_precision(cfg: DictConfig, gpu: Gpu) -> str:
-    return cfg.precision if cfg.precision != "auto" else ("fp32" if gpu.name == "cpu" else "bf16")
-
-
 def check_backend_against_model(cfg: DictConfig, world: int) -> None:
     """The backend's checks that need the model's architecture (heads, kv-heads: config.json, no weights)."""
     from llmtrain.backends import backend_model_problems
@@ -354,71 +253,3 @@ def check_backend_against_model(cfg: DictConfig, world: int) -> None:
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
-
-@dataclass(frozen=True)
-class RunPlan:
-    """The planner's view of one run, computed once: the dry-run text, the figures the live cost compares with, and
-    what the fit check reads (its setting, its backend's row, the device: plan.fit.run_fit_problems)."""
-    text: str
-    figures: PlanFigures
-    setting: Setting | None = None
-    row: Row | None = None
-    gpu: Gpu | None = None
-
-
-def stage_activations(st: Setting, layout: Layout) -> StageActivations:
-    """The pipeline's per-stage activation count for this setting on this layout (tp splits the blocks)."""
-    return StageActivations(st.facts, st.checkpointing, 2 if st.precision in ("bf16", "fp16") else 4, layout.tp,
-                            st.scores, lambda rows, seq: head_bytes(st, rows, seq, vocab_split(st, layout))[0],
-                            st.concat_outputs)
-
-
-def pipelined_head(st: Setting) -> int:
-    """The last stage's head parameters for the role the pipeline runs (pipeline_checks: the one trainable role)."""
-    role = next((name for name, trainable in st.roles.items() if trainable), None)
-    return stage_head(st.facts, role in st.scalar_heads)
-
-
-def pipeline_figures(st: Setting, layout: Layout, pipeline, dp: int) -> tuple[PipelineRankFigures, ...]:
-    """Per pp rank, what the live cost compares with: its model states and activations in flight (() without pp)."""
-    if pipeline is None:
-        return ()
-    count = stage_activations(st, layout)
-
-    def activations(rank: int):
-        return lambda rows, seq: count.rank(pipeline, rank, rows, seq)
-
-    head = pipelined_head(st)
-    return tuple(PipelineRankFigures(rank_state_bytes(pipeline, st.facts, rank, head=head, dp=dp, tp=layout.tp,
-                                                      lora=st.lora),
-                                     activations(rank),
-                                     len(in_flight_stages(pipeline, rank))) for rank in range(pipeline.pp))
-
-
-def plan_figures(st: Setting, row: Row, gpu: Gpu, precision: str, p2p: list[Collective] = (),
-                 pipeline: tuple[PipelineRankFigures, ...] = ()) -> PlanFigures:
-    """The planner's row for this run's backend, world and device, as the live cost compares with it (p2p: the
-    pipeline's sends, plan.pp.pipeline_p2p; pipeline: its per-pp-rank figures)."""
-    facts, elem = st.facts, 2 if precision in ("bf16", "fp16") else 4
-
-    def activations(rows: int, seq: int) -> float:
-        """One forward of one role (the meter's peak is one forward; the planner's table adds every trainable role,
-        as if all were alive at once)."""
-        return (activation_bytes(rows, seq, facts.hidden, facts.heads, facts.layers, checkpointing=st.checkpointing,
-                                 elem=elem, scores=st.scores, intermediate=facts.mlp_width, kv_heads=facts.kv_heads,
-                                 softcapping=facts.softcapping, concat_outputs=st.concat_outputs)
-                + head_bytes(st, rows, seq, vocab_split(st, row.layout))[0])
-
-    # a rank's share of one token's FLOPs: its tp peers and pp stages compute the same tokens (dp and sp peers split
-    # the tokens instead, which the meter counts), so its tokens × the whole model's FLOPs would count them tp·pp times
-    peers = row.layout.tp * max(1, len(pipeline))
-    model = training_flops_per_token(facts.params, facts.layers, facts.hidden, st.seq) / peers
-    recompute = (2 * facts.layers * facts.block + 4 * facts.layers * facts.hidden * st.seq) / peers \
-        if st.checkpointing else 0
-    # a CPU has no honest peak: MFU only where plan.peak_tflops says one (resolve_gpu gives none for a CPU)
-    return PlanFigures(state_bytes=sum(s.device - s.gathered for s in row.states.values()),
-                       gathered_bytes=sum(s.gathered for s in row.states.values()), activations=activations,
-                       flops_per_token=model, hardware_flops_per_token=model + recompute,
-                       peak_flops=gpu.peak_tflops * 1e12 if gpu.peak_tflops else None,
-                       comm=planned([*row.comm, *p2p]), pipeline=pipeline,
-                       step_s=row.times["step_s"] if row.times else None)

@@ -15,8 +15,10 @@ from llmtrain.metrics.cost import GIB, Layout
 from llmtrain.metrics.devices import Gpu, host_memory_gib
 from llmtrain.models.facts import lora_trainable
 from llmtrain.parallel import row_degrees
-from llmtrain.plan.core import USABLE, Row, RunPlan, Setting, compared_layouts, largest_micro_batch, plan_row
+from llmtrain.plan.core import USABLE, Row, compared_layouts, largest_micro_batch, plan_row
+from llmtrain.plan.figures import RunPlan
 from llmtrain.plan.report import _size
+from llmtrain.plan.setting import Setting
 from llmtrain.stages.registry import stage_roles
 
 

@@ -40,25 +40,19 @@ from llmtrain.plan.core import (
     SEQ_SEARCH_LIMIT,
     USABLE,
     Row,
-    RunPlan,
-    Setting,
     check_backend_against_model,
     compared_layouts,
     head_bytes,
     layout_of,
     longest_sequence,
-    pipeline_figures,
-    pipelined_head,
-    plan_figures,
-    plan_precision,
     plan_row,
     plan_rows,
     row_name,
-    setting,
-    stage_activations,
 )
+from llmtrain.plan.figures import RunPlan, pipeline_figures, pipelined_head, plan_figures, stage_activations
 from llmtrain.plan.pp import pipeline_layout, pipeline_lines, pipeline_p2p
 from llmtrain.plan.rl import engine_lines, engine_memory, engine_model, engine_setup
+from llmtrain.plan.setting import Setting, plan_precision, setting
 from llmtrain.stages.registry import stage_spec
 from llmtrain.validation import data_parallel_size, validate
 

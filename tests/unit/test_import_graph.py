@@ -19,8 +19,8 @@ FLOORS = (
      "llmtrain.parallel", "llmtrain.spikes"),
     ("llmtrain.schema", "llmtrain.validation", "llmtrain.plan.rl", "llmtrain.plan.pp", "llmtrain.finished_run",
      "llmtrain.sequence_parallel"),
-    ("llmtrain.plan.core", "llmtrain.plan", "llmtrain.plan.fit", "llmtrain.run", "llmtrain.bases",
-     "llmtrain.compose", "llmtrain.__main__"),
+    ("llmtrain.plan.setting", "llmtrain.plan.core", "llmtrain.plan.figures", "llmtrain.plan", "llmtrain.plan.fit",
+     "llmtrain.run", "llmtrain.bases", "llmtrain.compose", "llmtrain.__main__"),
 )
 
 

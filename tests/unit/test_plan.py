@@ -26,9 +26,10 @@ from llmtrain.metrics.cost import (
 )
 from llmtrain.metrics.devices import GPUS, resolve_gpu
 from llmtrain.models.facts import ModelFacts, model_facts
-from llmtrain.plan.core import Setting, layout_of, longest_sequence, plan_row, step_flops
-from llmtrain.plan.core import setting as plan_setting
+from llmtrain.plan.core import layout_of, longest_sequence, plan_row, step_flops
 from llmtrain.plan.report import plan_text
+from llmtrain.plan.setting import Setting
+from llmtrain.plan.setting import setting as plan_setting
 from tests.helpers import REPO, cli_env
 
 COMPARED = compared_presets()
@@ -137,8 +138,8 @@ def test_eager_attention_scores_by_hand_and_when_the_resolved_attention_is_eager
     when the run resolves to eager: `auto` on Gemma-2 (no sdpa in transformers) on the CPU, not on a Llama."""
     from llmtrain.metrics.cost import eager_score_bytes, gated_activation_bytes_per_layer
     from llmtrain.models.facts import model_facts
-    from llmtrain.plan.core import planned_attention
-    from llmtrain.plan.core import setting as plan_setting
+    from llmtrain.plan.setting import planned_attention
+    from llmtrain.plan.setting import setting as plan_setting
 
     b, s, h, a, kv, i = 2, 512, 256, 8, 2, 512
     assert (eager_score_bytes(4), eager_score_bytes(2), eager_score_bytes(2, True), eager_score_bytes(4, True)) == \
@@ -319,7 +320,7 @@ def test_rl_head_memory_is_the_response_positions_with_the_token_loss_gradients(
     from llmtrain.metrics.cost import fused_head_bytes
     from llmtrain.models.facts import model_facts
     from llmtrain.plan.core import head_bytes
-    from llmtrain.plan.core import setting as plan_setting
+    from llmtrain.plan.setting import setting as plan_setting
 
     for ratio, held in (("token", True), ("sequence", False)):
         cfg = compose_config(["recipe=grpo_tiny", "model.name_or_path=null", "model.from_config={model_type:llama}",

@@ -32,9 +32,10 @@ from llmtrain.stages.ppo.rewards import (
     reward_model_statistics,
 )
 from llmtrain.stages.ppo.rollout import SamplingSettings, checkpoint_overrides
-from llmtrain.stages.ppo.stage import PPOStage, UpdateSettings
+from llmtrain.stages.ppo.stage import PPOStage
 from llmtrain.stages.ppo.tools import attach as attach_tools
 from llmtrain.stages.ppo.tools import uses_tools
+from llmtrain.stages.ppo.update import UpdateSettings
 from llmtrain.stages.spec import RLShape, StageSpec
 
 
