@@ -6,6 +6,7 @@ optimizer offload, async_io for NVMe). The first load compiles under a lock file
 build killed half-way leaves that lock behind and every later run waits on it forever, without a word.
 
     python -m llmtrain.backends.deepspeed_ops          # build the ops this machine's accelerator uses, once
+    MAX_JOBS=1 python -m llmtrain.backends.deepspeed_ops --jobs 1   # one compiler at a time (CI)
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ def build_op(name: str) -> str:
     return f"built ({time.perf_counter() - started:.0f} s)"
 
 
-def prebuild(names: tuple[str, ...] | None = None) -> dict[str, str]:
-    """Build each op in its own process, all at once: {op: outcome}. Each op compiles under its own lock in its own
-    folder, and one op's compiler mostly runs one file at a time, so the ops side by side fill the cores."""
+def prebuild(names: tuple[str, ...] | None = None, jobs: int | None = None) -> dict[str, str]:
+    """Build each op in its own process, JOBS at a time (default: all at once), in order: {op: outcome}. Each op
+    compiles under its own lock in its own folder (ninja runs MAX_JOBS compilers of one op at once, default cores + 2).
+    Where other work already fills the cores (CI builds beside the tests), `jobs=1` with MAX_JOBS=1 runs one compiler
+    in all, leaving the cores to that work rather than crowding them."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -79,7 +82,8 @@ def prebuild(names: tuple[str, ...] | None = None) -> dict[str, str]:
         from deepspeed.accelerator import get_accelerator
 
         names = OPS_BY_ACCELERATOR.get(get_accelerator().device_name(), ())
-    with ProcessPoolExecutor(max_workers=max(1, len(names)), mp_context=get_context("spawn")) as pool:
+    workers = max(1, jobs or len(names))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         return dict(zip(names, pool.map(build_op, names)))
 
 
@@ -127,13 +131,20 @@ def build_offload_adam(model: torch.nn.Module, spec: OptimizerSpec):
         return build_optimizer(model, spec), "torch.optim.AdamW (fallback: cpu_adam op did not build)"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.backends.deepspeed_ops",
+                                     description="Build DeepSpeed's ops this machine's accelerator uses, once.")
+    parser.add_argument("ops", nargs="*", help="builder names (default: this accelerator's, e.g. CPUAdamBuilder)")
+    parser.add_argument("--jobs", type=int, default=None, help="ops built at a time (default: all at once)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warn_stale_build_locks()
-    for name, outcome in prebuild(tuple(sys.argv[1:]) or None).items():
+    for name, outcome in prebuild(tuple(args.ops) or None, args.jobs).items():
         print(f"{name}: {outcome}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
