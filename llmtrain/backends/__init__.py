@@ -2,7 +2,8 @@
 of the program asks about a backend goes through here, so no backend's name appears outside backends/.
 
 Light on purpose: the descriptors (backends/<name>_spec.py) are pure Python; an engine module (ddp.py, fsdp2.py,
-deepspeed.py, the only one that imports deepspeed) is imported only when `build_backend` builds it.
+deepspeed.py, which with its checkpoints' half deepspeed_checkpoint.py imports deepspeed) is imported only when
+`build_backend` builds it.
 """
 
 from __future__ import annotations

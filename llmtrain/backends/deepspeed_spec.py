@@ -1,5 +1,6 @@
 """The DeepSpeed backend's descriptor: its typed group (deepspeed_config.DeepSpeedConfig), its checks, and what the
-planner says it holds and moves (backends/deepspeed.py is the engine; only it imports deepspeed).
+planner says it holds and moves (backends/deepspeed.py is the engine; only it and
+its checkpoints' half, deepspeed_checkpoint.py, import deepspeed).
 
 Holds per rank (T trainable, F frozen parameters of a role, N dp ranks, w bytes of the 16-bit working copy: 2 under
 bf16/fp16, 4 in fp32; P parameters ZeRO-3 keeps whole): 16-bit weights w(T+F); an fp32 master partition 4T/N at
