@@ -45,11 +45,11 @@ def test_a_forked_run_prints_writes_and_exits_as_a_cold_one(tmp_path):
     assert losses(tmp_path / "f") == losses(tmp_path / "cold")
 
 
-def test_refusals_keep_their_exit_codes_and_messages():
-    for args in (["recipe=nope"], ["recipe=sft_tiny", "trainer.max_stepz=3"]):
-        cold, forked = _cold(args), _forked(args)
-        assert forked.returncode == cold.returncode == 2
-        assert forked.stderr == cold.stderr and "llmtrain: error on rank 0" in forked.stderr
+def test_a_refusal_keeps_its_exit_code_and_message():
+    args = ["recipe=sft_tiny", "trainer.max_stepz=3"]
+    cold, forked = _cold(args), _forked(args)
+    assert forked.returncode == cold.returncode == 2
+    assert forked.stderr == cold.stderr and "trainer.max_stepz" in forked.stderr
 
 
 def test_a_timeout_kills_the_run(tmp_path):

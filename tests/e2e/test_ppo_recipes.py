@@ -132,9 +132,11 @@ def short(tmp_path_factory) -> Path:
             # the reversal reward from a server at weight -1 beside the same function at +1
             "server": ["recipe=grpo_tiny", f"ppo.reward.url={server.url}", "ppo.reward.url_weight=-1",
                        "ppo.reward.url_batch_size=5"]}
-    env = cli_env(PYTHONPATH=f"{root}:{Path(__file__).resolve().parents[2]}")
+    # only the user's module needs its folder on the path (the others start from the tests' forkserver)
+    user_env = cli_env(PYTHONPATH=f"{root}:{Path(__file__).resolve().parents[2]}")
     try:
-        results = run_cli_jobs({name: {"args": [args[0], *SHORT, *args[1:], f"output_dir={root / name}"], "env": env}
+        results = run_cli_jobs({name: {"args": [args[0], *SHORT, *args[1:], f"output_dir={root / name}"],
+                                       "env": user_env if name == "user_fn" else cli_env()}
                                 for name, args in runs.items()})
     finally:
         server.close()
