@@ -40,8 +40,8 @@ def serves(server_env: dict, env: dict) -> bool:
 
 
 class Client:
-    """The pytest process's side: starts the server on first use, in the tests' usual run environment (SERVER_ENV,
-    whatever the first run's own), and stops it at exit."""
+    """The pytest process's side: starts the server on first use, in the tests' usual run environment
+    (tests.helpers.cli_env, whatever the first run's own), and stops it at exit."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -50,15 +50,16 @@ class Client:
         self._dir: Path | None = None
         self.forked = 0  # runs served so far
 
-    def _started(self, env: dict, server_env: dict) -> Path | None:
-        """The socket of a server that serves ENV (started in SERVER_ENV now if none is), or None: start this run
-        cold."""
+    def _started(self, env: dict) -> Path | None:
+        """The socket of a server that serves ENV (started now if none is), or None: start this run cold."""
         import atexit
         import tempfile
 
+        from tests.helpers import cli_env
+
         with self._lock:
             if self._env is None:
-                self._env = dict(server_env)
+                self._env = cli_env()
                 self._dir = Path(tempfile.mkdtemp(prefix="llmtrain-forkserver-"))
                 repo = Path(__file__).resolve().parent.parent
                 with open(self._dir / "server.log", "w") as log:
@@ -72,15 +73,14 @@ class Client:
                 return None
             return self._dir / "s"
 
-    def run(self, argv: list[str], *, env: dict, server_env: dict, cwd: Path,
-            timeout: float) -> subprocess.CompletedProcess | None:
+    def run(self, argv: list[str], *, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
         """`python -m ARGV[0] ARGV[1:]` in ENV forked from the server, as subprocess.run(..., capture_output=True,
         text=True, timeout=TIMEOUT) returns it; None where this run must start cold."""
         import tempfile
 
         if os.environ.get("LLMTRAIN_TESTS_COLD") == "1":
             return None
-        path = self._started(env, server_env)
+        path = self._started(env)
         if path is None:
             return None
         command = [sys.executable, "-m", *argv]

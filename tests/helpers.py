@@ -71,18 +71,18 @@ def run_cli(args: list[str], *, nproc: int = 1, env: dict | None = None, timeout
             cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m llmtrain ARGS` (nproc=1, no launcher: forked from tests/forkserver.py's server where the
     environment allows, else cold) or `torchrun --nproc_per_node N -m llmtrain ARGS` (always cold)."""
+    env = env or cli_env()
     if nproc == 1:
         from tests.forkserver import CLIENT
 
-        forked = CLIENT.run(["llmtrain", *args], env=env or cli_env(), server_env=cli_env(), cwd=cwd or REPO,
-                            timeout=timeout)
+        forked = CLIENT.run(["llmtrain", *args], env=env, cwd=cwd or REPO, timeout=timeout)
         if forked is not None:
             return forked
         cmd = [PYTHON, "-m", "llmtrain", *args]
     else:
         cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
                "-m", "llmtrain", *args]
-    return subprocess.run(cmd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=cwd or REPO)
 
 

@@ -22,7 +22,7 @@ def _cold(args: list[str], env: dict | None = None) -> subprocess.CompletedProce
 
 
 def _forked(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = CLIENT.run(["llmtrain", *args], env=env or cli_env(), server_env=cli_env(), cwd=REPO, timeout=timeout)
+    result = CLIENT.run(["llmtrain", *args], env=env or cli_env(), cwd=REPO, timeout=timeout)
     assert result is not None, "the forkserver did not serve a run in the tests' own environment"
     return result
 
